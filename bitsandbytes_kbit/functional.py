@@ -1,0 +1,196 @@
+"""The public k-bit API. After ``import bitsandbytes`` the same callables are also
+``bitsandbytes.functional.<name>`` (attached by the ``bitsandbytes.backends`` entry point).
+
+Quick start::
+
+    packed, absmax, codebook = quantize_kbit(W, k=4)            # normal-float codebook, E4M4 absmax
+    W_hat = dequantize_kbit(packed, absmax, codebook, k=4, n=W.numel(), dtype=W.dtype).view_as(W)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from . import _ops  # noqa: F401  (defines the torch.library ops)
+from ._ops import check_k
+from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
+from .backends.default.ops import e4m4_table
+from .backends.default.ops import encode_absmax_e4m4 as _encode_e4m4
+
+__all__ = [
+    "create_normal_float_codebook",
+    "create_codebook",
+    "encode_absmax_e4m4",
+    "decode_absmax_e4m4",
+    "quantize_kbit",
+    "dequantize_kbit",
+]
+
+CODEBOOK_KINDS = ("nf", "uniform", "fp4")
+ABSMAX_FORMATS = {"e4m4": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
+E4M4_MAX = float(e4m4_table()[-1])  # 31.0
+_FP16_MAX = torch.finfo(torch.float16).max
+
+_codebook_cache: dict[tuple[str, int, str], torch.Tensor] = {}
+
+
+def _normal_float_levels(k: int) -> torch.Tensor:
+    """2^k levels at the means of N(0, 1) over 2^k equiprobable bins, scaled to max |level| = 1.
+    The mean of bin (a, b) is (pdf(a) - pdf(b)) / (cdf(b) - cdf(a)), with cdf(b) - cdf(a) = 2^-k."""
+    bins = 2**k
+    edges = torch.special.ndtri(torch.arange(bins + 1, dtype=torch.float64) / bins)  # -inf .. +inf
+    pdf = torch.exp(-0.5 * edges**2) / (2 * torch.pi) ** 0.5
+    pdf = torch.where(torch.isfinite(edges), pdf, torch.zeros_like(pdf))
+    levels = (pdf[:-1] - pdf[1:]) * bins
+    return (levels / levels.abs().max()).to(torch.float32)
+
+
+def _uniform_levels(k: int) -> torch.Tensor:
+    """The symmetric integer grid -(2^(k-1) - 1) .. 2^(k-1) - 1, scaled to [-1, 1] (2^k - 1 levels, zero exact)."""
+    half = 2 ** (k - 1) - 1
+    return torch.arange(-half, half + 1, dtype=torch.float32) / half
+
+
+def _fp4_e2m1_levels() -> torch.Tensor:
+    """The 15 distinct FP4 E2M1 values (+0 and -0 are one), scaled by 1/6 to [-1, 1]."""
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    return torch.cat([-magnitudes.flip(0)[:-1], magnitudes]) / 6.0
+
+
+def create_codebook(kind: str = "nf", k: int = 4, device=None) -> torch.Tensor:
+    """A built-in codebook: float32, sorted ascending, max |level| = 1, cached per (kind, k, device).
+
+    Args:
+        kind: ``"nf"`` (normal float: 2^k levels at the means of equiprobable N(0, 1) bins),
+            ``"uniform"`` (symmetric integer grid, 2^k - 1 levels) or ``"fp4"`` (FP4 E2M1, k = 4 only).
+        k: bit width, 2..5.
+        device: where the tensor lives (default CPU).
+
+    The cached tensor is shared: clone it before modifying it.
+    """
+    check_k("create_codebook", k)
+    if kind not in CODEBOOK_KINDS:
+        raise ValueError(f"create_codebook: kind={kind!r} is not a built-in codebook; expected one of {CODEBOOK_KINDS}")
+    if kind == "fp4" and k != 4:
+        raise ValueError(f"create_codebook: kind='fp4' is the 4-bit E2M1 grid; got k={k}, expected k=4")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    key = (kind, k, str(device))
+    if key not in _codebook_cache:
+        levels = {"nf": _normal_float_levels, "uniform": _uniform_levels}.get(kind)
+        cb = levels(k) if levels is not None else _fp4_e2m1_levels()
+        _codebook_cache[key] = cb.to(device)
+    return _codebook_cache[key]
+
+
+def create_normal_float_codebook(k: int, device=None) -> torch.Tensor:
+    """The normal-float codebook for k bits: 2^k float32 levels, sorted, max |level| = 1, cached
+    per (k, device). Same as ``create_codebook("nf", k, device)``."""
+    return create_codebook("nf", k, device)
+
+
+def encode_absmax_e4m4(absmax: torch.Tensor) -> torch.Tensor:
+    """Encode non-negative scales to E4M4 bytes (4-bit exponent, 4-bit mantissa, bias 11):
+    nearest code, ties to the lower one; nonzero values never encode to 0; values above 31.0
+    saturate to 0xFF. Relative round-trip error <= 1/32 on [2^-10, 31]."""
+    if not absmax.is_floating_point():
+        raise ValueError(f"encode_absmax_e4m4: absmax has dtype {absmax.dtype}; expected a floating-point tensor")
+    if absmax.numel() and not bool(((absmax >= 0) & torch.isfinite(absmax)).all()):
+        raise ValueError("encode_absmax_e4m4: absmax has negative or non-finite entries; expected finite values >= 0")
+    return _encode_e4m4(absmax)
+
+
+def decode_absmax_e4m4(raw: torch.Tensor) -> torch.Tensor:
+    """Decode E4M4 bytes to float32: e = raw >> 4, m = raw & 15; e == 0: m * 2^-14,
+    else 2^(e - 11) * (1 + m / 16). Exact for all 256 codes."""
+    if raw.dtype != torch.uint8:
+        raise ValueError(f"decode_absmax_e4m4: raw has dtype {raw.dtype}; expected torch.uint8")
+    return _decode_e4m4(raw)
+
+
+def resolve_codebook(codebook: Union[None, str, torch.Tensor], k: int, device) -> torch.Tensor:
+    """None -> the normal-float codebook; a string -> that built-in; a tensor -> checked
+    (floating point, 1-D, finite, at most 2^k entries), converted to float32 and sorted."""
+    check_k("quantize_kbit", k)
+    if codebook is None:
+        return create_codebook("nf", k, device)
+    if isinstance(codebook, str):
+        return create_codebook(codebook, k, device)
+    if not isinstance(codebook, torch.Tensor):
+        raise TypeError(f"codebook: got {type(codebook).__name__}; expected None, one of {CODEBOOK_KINDS} or a tensor")
+    if not codebook.is_floating_point():
+        raise ValueError(f"codebook has dtype {codebook.dtype}; expected a floating-point tensor (stored as float32)")
+    if codebook.dim() != 1 or not 1 <= codebook.numel() <= 2**k:
+        raise ValueError(
+            f"codebook has shape {tuple(codebook.shape)}; expected a 1-D tensor of 1..{2**k} entries for k={k}"
+        )
+    if not bool(torch.isfinite(codebook).all()):
+        raise ValueError(f"codebook contains NaN or Inf: {codebook.tolist()}; expected finite values")
+    return torch.sort(codebook.detach().to(device=device, dtype=torch.float32)).values.contiguous()
+
+
+def quantize_kbit(
+    A: torch.Tensor,
+    k: int = 4,
+    codebook: Union[None, str, torch.Tensor] = None,
+    absmax_format: str = "e4m4",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize A (float16, bfloat16 or float32, any shape) to k bits in blocks of 32 elements.
+
+    Args:
+        A: the tensor; it is flattened, and a tail block shorter than 32 is zero-padded.
+        k: bits per element, 2..5.
+        codebook: None (normal float), ``"nf"``, ``"uniform"``, ``"fp4"`` or a tensor of up to
+            2^k levels (any order; it is sorted, and the sorted copy is returned).
+        absmax_format: ``"e4m4"`` (1 byte per block, the default), ``"fp16"`` or ``"fp32"``.
+
+    Returns:
+        (packed, absmax, codebook): packed int32 [ceil(n/32) * k] in bit-plane layout, absmax
+        [ceil(n/32)] (uint8 E4M4, float16 or float32) and the float32 codebook used.
+    """
+    if not isinstance(A, torch.Tensor):
+        raise TypeError(f"quantize_kbit: A is a {type(A).__name__}; expected a torch.Tensor")
+    if absmax_format not in ABSMAX_FORMATS:
+        raise ValueError(
+            f"quantize_kbit: absmax_format={absmax_format!r} is not supported; expected one of {tuple(ABSMAX_FORMATS)}"
+        )
+    cb = resolve_codebook(codebook, k, A.device)
+    limit = {"e4m4": E4M4_MAX, "fp16": _FP16_MAX}.get(absmax_format)
+    if limit is not None and A.numel() and A.is_floating_point():
+        amax = float(A.detach().abs().max())
+        if not math.isfinite(amax):
+            raise ValueError("quantize_kbit: A contains NaN or Inf; expected finite values")
+        if amax > limit:
+            raise ValueError(
+                f"quantize_kbit: max |A| = {amax:g} exceeds the largest {absmax_format} absmax ({limit:g}); "
+                "use absmax_format='fp32' (or 'fp16' up to 65504), or scale A down first"
+            )
+    packed, absmax = torch.ops.bitsandbytes.quantize_kbit(A, cb, k, ABSMAX_FORMATS[absmax_format])
+    return packed, absmax, cb
+
+
+def dequantize_kbit(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    codebook: Union[None, str, torch.Tensor],
+    k: int,
+    n: int,
+    dtype: torch.dtype = torch.float16,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Dequantize n elements (a flat tensor; ``.view(shape)`` it back). absmax may be uint8
+    (E4M4), float16 or float32 and is dispatched on its dtype. With ``out`` (contiguous, [n],
+    ``dtype``, same device) the result is written in place and nothing is allocated, which CUDA
+    graphs need."""
+    if isinstance(codebook, torch.Tensor):
+        check_k("dequantize_kbit", k)
+        cb = codebook
+    else:
+        cb = resolve_codebook(codebook, k, packed.device)
+    if out is not None:
+        torch.ops.bitsandbytes.dequantize_kbit.out(packed, absmax, cb, k, n, dtype, out)
+        return out
+    return torch.ops.bitsandbytes.dequantize_kbit(packed, absmax, cb, k, n, dtype)
+

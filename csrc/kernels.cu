@@ -1,0 +1,147 @@
+// k-bit blockwise quantize / dequantize kernels (seed 000 section 1) and their explicit
+// instantiations. Nothing here depends on another translation unit's device code, so the
+// library links without relocatable device code.
+#include "kernels.cuh"
+
+namespace kbit {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename T, int K_BITS, typename ABSMAX_T>
+__global__ void kQuantizeKbit(
+    const T* __restrict__ A, const float* __restrict__ codebook, int codebook_len, int32_t* __restrict__ packed,
+    ABSMAX_T* __restrict__ absmax, long long n
+) {
+    const int lane = threadIdx.x % 32;
+    const long long num_blocks = (n + kBlockElems - 1) / kBlockElems;
+    const long long warps_per_grid = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+    const float r_code = lane < codebook_len ? codebook[lane] : 0.0f;  // lane c holds codebook[c]
+
+    // The trip count is uniform across the warp, so every shuffle and ballot has all lanes.
+    for (long long blk = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; blk < num_blocks;
+         blk += warps_per_grid) {
+        const long long i = blk * kBlockElems + lane;
+        const bool valid = i < n;
+        const float x = valid ? to_float(A[i]) : 0.0f;
+
+        float amax = fabsf(x);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+
+        const ABSMAX_T stored = AbsmaxCodec<ABSMAX_T>::encode(amax);
+        const float scale = AbsmaxCodec<ABSMAX_T>::decode(stored);
+        const float xn = scale > 0.0f ? x / scale : 0.0f;
+
+        // Nearest codebook entry; strict '<' keeps the lower index on ties.
+        int best = 0;
+        float best_dist = fabsf(xn - __shfl_sync(kFullMask, r_code, 0));
+        for (int c = 1; c < codebook_len; ++c) {
+            const float dist = fabsf(xn - __shfl_sync(kFullMask, r_code, c));
+            if (dist < best_dist) {
+                best_dist = dist;
+                best = c;
+            }
+        }
+
+        uint32_t my_word = 0;
+#pragma unroll
+        for (int b = 0; b < K_BITS; ++b) {
+            const uint32_t word = __ballot_sync(kFullMask, valid && ((best >> b) & 1));
+            if (lane == b)
+                my_word = word;
+        }
+        if (lane < K_BITS)
+            packed[blk * K_BITS + lane] = static_cast<int32_t>(my_word);
+        if (lane == 0)
+            absmax[blk] = stored;
+    }
+}
+
+template <typename T, int K_BITS, typename ABSMAX_T>
+__global__ void kDequantizeKbit(
+    const int32_t* __restrict__ packed, const ABSMAX_T* __restrict__ absmax, const float* __restrict__ codebook,
+    int codebook_len, T* __restrict__ out, long long n, bool vector_store
+) {
+    constexpr int kElemsPerThread = 8;
+    __shared__ float s_code[kMaxCodebook];  // 32 floats in 32 banks: any index pattern is conflict-free
+    if (threadIdx.x < kMaxCodebook)
+        s_code[threadIdx.x] = threadIdx.x < codebook_len ? codebook[threadIdx.x] : 0.0f;
+    __syncthreads();
+
+    const long long group = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long first = group * kElemsPerThread;
+    if (first >= n)
+        return;
+    const long long blk = group / (kBlockElems / kElemsPerThread);
+    const int shift = static_cast<int>(group % (kBlockElems / kElemsPerThread)) * kElemsPerThread;
+
+    uint32_t r_planes[K_BITS];  // this thread's byte of each plane, in bits 0..7
+#pragma unroll
+    for (int b = 0; b < K_BITS; ++b)
+        r_planes[b] = static_cast<uint32_t>(__ldg(packed + blk * K_BITS + b)) >> shift;
+    const float scale = AbsmaxCodec<ABSMAX_T>::decode(absmax[blk]);
+
+    alignas(16) T r_vals[kElemsPerThread];
+#pragma unroll
+    for (int j = 0; j < kElemsPerThread; ++j) {
+        int idx = 0;
+#pragma unroll
+        for (int b = 0; b < K_BITS; ++b)
+            idx |= ((r_planes[b] >> j) & 1) << b;
+        r_vals[j] = from_float<T>(s_code[idx] * scale);
+    }
+
+    if (vector_store && first + kElemsPerThread <= n) {
+        constexpr int kVecs = kElemsPerThread * sizeof(T) / 16;
+        const int4* src = reinterpret_cast<const int4*>(r_vals);
+        int4* dst = reinterpret_cast<int4*>(out + first);
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v)
+            dst[v] = src[v];
+    } else {
+        for (int j = 0; j < kElemsPerThread && first + j < n; ++j)
+            out[first + j] = r_vals[j];
+    }
+}
+
+template <typename T, int K_BITS, typename ABSMAX_T>
+void launch_quantize_kbit(
+    unsigned grid, unsigned threads, cudaStream_t stream, const T* A, const float* codebook, int codebook_len,
+    int32_t* packed, ABSMAX_T* absmax, long long n
+) {
+    kQuantizeKbit<T, K_BITS, ABSMAX_T><<<grid, threads, 0, stream>>>(A, codebook, codebook_len, packed, absmax, n);
+}
+
+template <typename T, int K_BITS, typename ABSMAX_T>
+void launch_dequantize_kbit(
+    unsigned grid, unsigned threads, cudaStream_t stream, const int32_t* packed, const ABSMAX_T* absmax,
+    const float* codebook, int codebook_len, T* out, long long n, bool vector_store
+) {
+    kDequantizeKbit<T, K_BITS, ABSMAX_T>
+        <<<grid, threads, 0, stream>>>(packed, absmax, codebook, codebook_len, out, n, vector_store);
+}
+
+// Instantiations: every element type x absmax storage x bit width the C ABI exports.
+#define KBIT_INSTANTIATE(T, ABSMAX_T, K_BITS)                                                                          \
+    template void launch_quantize_kbit<T, K_BITS, ABSMAX_T>(                                                           \
+        unsigned, unsigned, cudaStream_t, const T*, const float*, int, int32_t*, ABSMAX_T*, long long                  \
+    );                                                                                                                 \
+    template void launch_dequantize_kbit<T, K_BITS, ABSMAX_T>(                                                         \
+        unsigned, unsigned, cudaStream_t, const int32_t*, const ABSMAX_T*, const float*, int, T*, long long, bool      \
+    );
+#define KBIT_INSTANTIATE_K(T, ABSMAX_T)                                                                                \
+    KBIT_INSTANTIATE(T, ABSMAX_T, 2)                                                                                   \
+    KBIT_INSTANTIATE(T, ABSMAX_T, 3)                                                                                   \
+    KBIT_INSTANTIATE(T, ABSMAX_T, 4)                                                                                   \
+    KBIT_INSTANTIATE(T, ABSMAX_T, 5)
+#define KBIT_INSTANTIATE_ABSMAX(T)                                                                                     \
+    KBIT_INSTANTIATE_K(T, uint8_t)                                                                                     \
+    KBIT_INSTANTIATE_K(T, half)                                                                                        \
+    KBIT_INSTANTIATE_K(T, float)
+
+KBIT_INSTANTIATE_ABSMAX(half)
+KBIT_INSTANTIATE_ABSMAX(__nv_bfloat16)
+KBIT_INSTANTIATE_ABSMAX(float)
+
+}  // namespace kbit

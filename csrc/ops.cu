@@ -1,0 +1,69 @@
+// Host launchers: launch geometry and the checks of what the kernels assume.
+#include "kernels.cuh"
+#include "ops.cuh"
+
+namespace kbit {
+
+constexpr int kQuantizeThreads = 256;    // 8 warps = 8 quantization blocks per CTA pass
+constexpr int kDequantizeThreads = 256;  // 256 threads x 8 elements = 64 blocks per CTA
+constexpr long long kMaxGridX = 2147483647LL;
+
+template <typename T, int K_BITS, typename ABSMAX_T>
+cudaError_t quantize_kbit(
+    const T* A, const float* codebook, int codebook_len, int32_t* packed, ABSMAX_T* absmax, long long n,
+    cudaStream_t stream
+) {
+    if (n <= 0)
+        return cudaSuccess;
+    if (codebook_len < 1 || codebook_len > (1 << K_BITS))
+        return cudaErrorInvalidValue;
+    const long long num_blocks = (n + kBlockElems - 1) / kBlockElems;
+    const long long warps = kQuantizeThreads / 32;
+    const long long grid = (num_blocks + warps - 1) / warps;  // the kernel strides if this is capped
+    launch_quantize_kbit<T, K_BITS, ABSMAX_T>(
+        static_cast<unsigned>(grid < kMaxGridX ? grid : kMaxGridX), kQuantizeThreads, stream, A, codebook,
+        codebook_len, packed, absmax, n
+    );
+    return cudaGetLastError();
+}
+
+template <typename T, int K_BITS, typename ABSMAX_T>
+cudaError_t dequantize_kbit(
+    const int32_t* packed, const ABSMAX_T* absmax, const float* codebook, int codebook_len, T* out, long long n,
+    cudaStream_t stream
+) {
+    if (n <= 0)
+        return cudaSuccess;
+    if (codebook_len < 1 || codebook_len > (1 << K_BITS))
+        return cudaErrorInvalidValue;
+    const long long groups = (n + 7) / 8;
+    const long long grid = (groups + kDequantizeThreads - 1) / kDequantizeThreads;
+    if (grid > kMaxGridX)
+        return cudaErrorInvalidConfiguration;
+    // 16-byte stores need a 16-byte aligned output (a user's out= may be an offset view).
+    const bool vector_store = reinterpret_cast<uintptr_t>(out) % 16 == 0;
+    launch_dequantize_kbit<T, K_BITS, ABSMAX_T>(
+        static_cast<unsigned>(grid), kDequantizeThreads, stream, packed, absmax, codebook, codebook_len, out, n,
+        vector_store
+    );
+    return cudaGetLastError();
+}
+
+#define KBIT_LAUNCHERS(T, ABSMAX_T, K_BITS)                                                                            \
+    template cudaError_t quantize_kbit<T, K_BITS, ABSMAX_T>(                                                           \
+        const T*, const float*, int, int32_t*, ABSMAX_T*, long long, cudaStream_t                                      \
+    );                                                                                                                 \
+    template cudaError_t dequantize_kbit<T, K_BITS, ABSMAX_T>(                                                         \
+        const int32_t*, const ABSMAX_T*, const float*, int, T*, long long, cudaStream_t                                \
+    );
+#define KBIT_LAUNCHERS_K(T, ABSMAX_T)                                                                                  \
+    KBIT_LAUNCHERS(T, ABSMAX_T, 2) KBIT_LAUNCHERS(T, ABSMAX_T, 3) KBIT_LAUNCHERS(T, ABSMAX_T, 4)                       \
+        KBIT_LAUNCHERS(T, ABSMAX_T, 5)
+#define KBIT_LAUNCHERS_ABSMAX(T)                                                                                       \
+    KBIT_LAUNCHERS_K(T, uint8_t) KBIT_LAUNCHERS_K(T, half) KBIT_LAUNCHERS_K(T, float)
+
+KBIT_LAUNCHERS_ABSMAX(half)
+KBIT_LAUNCHERS_ABSMAX(__nv_bfloat16)
+KBIT_LAUNCHERS_ABSMAX(float)
+
+}  // namespace kbit
