@@ -5,8 +5,27 @@
 namespace kbit {
 
 constexpr int kQuantizeThreads = 256;    // 8 warps = 8 quantization blocks per CTA pass
-constexpr int kDequantizeThreads = 256;  // 256 threads x 8 elements = 64 blocks per CTA
+constexpr int kDequantizeThreads = 256;  // x kDequantizeElemsPerThread (8) = 64 blocks per CTA pass
 constexpr long long kMaxGridX = 2147483647LL;
+constexpr int kDequantizeCtasPerSm = 8;  // 8 x 256 threads = 2048, a full SM on sm_80 .. sm_90
+
+// Multiprocessor count of the current device, queried once per device (the kernels stride, so
+// this only sizes the grid; a failed query gives 1 SM's worth, still correct).
+static int current_sm_count() {
+    constexpr int kCachedDevices = 64;
+    static int cached[kCachedDevices] = {0};
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess)
+        return 1;
+    if (device < kCachedDevices && cached[device] > 0)
+        return cached[device];
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
+        sms = 1;
+    if (device < kCachedDevices)
+        cached[device] = sms;
+    return sms;
+}
 
 template <typename T, int K_BITS, typename ABSMAX_T>
 cudaError_t quantize_kbit(
@@ -36,10 +55,10 @@ cudaError_t dequantize_kbit(
         return cudaSuccess;
     if (codebook_len < 1 || codebook_len > (1 << K_BITS))
         return cudaErrorInvalidValue;
-    const long long groups = (n + 7) / 8;
-    const long long grid = (groups + kDequantizeThreads - 1) / kDequantizeThreads;
-    if (grid > kMaxGridX)
-        return cudaErrorInvalidConfiguration;
+    const long long groups = (n + kDequantizeElemsPerThread - 1) / kDequantizeElemsPerThread;  // the kernel strides
+    const long long needed = (groups + kDequantizeThreads - 1) / kDequantizeThreads;
+    const long long persistent = static_cast<long long>(current_sm_count()) * kDequantizeCtasPerSm;
+    const long long grid = needed < persistent ? needed : persistent;
     // 16-byte stores need a 16-byte aligned output (a user's out= may be an offset view).
     const bool vector_store = reinterpret_cast<uintptr_t>(out) % 16 == 0;
     launch_dequantize_kbit<T, K_BITS, ABSMAX_T>(

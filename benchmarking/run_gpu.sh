@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root, after benchmarking/prepare_gpu_run.sh here:
+#   bash benchmarking/run_gpu.sh            (carry .whl)
+# Runs the CUDA tests and the benchmarks in one call; logs and JSON go to $OUT (or ./out);
+# the short tables are printed last.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${OUT:-$root/out}"
+mkdir -p "$out"
+export PYTHONPATH="$root/.whl/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$out/gpu.txt"
+(cd /tmp && python3 -c "import torch, bitsandbytes, bitsandbytes_kbit as bk; from bitsandbytes_kbit import cextension; \
+print('torch', torch.__version__, 'bnb', bitsandbytes.__version__, 'kbit', bk.__file__, 'native', cextension.is_available()); \
+assert bitsandbytes.functional.quantize_kbit is bk.quantize_kbit") 2>&1 | grep -v kernels-community | tee -a "$out/gpu.txt"
+
+# tests: run from tests/ so the installed package (with its library) is imported, not the source tree
+(cd "$root/tests" && python3 -m pytest -q -p no:cacheprovider ${KBIT_TEST_ARGS:-.} 2>&1) > "$out/pytest.log"
+pytest_rc=$?
+
+cd "$root/benchmarking"
+python3 bench_dequantize.py --json "$out/dequantize.json" > "$out/bench_dequantize.log" 2>&1
+if [ -f bench_kbit_gemm.py ] && [ -z "${KBIT_SKIP_GEMM_BENCH:-}" ]; then
+    python3 bench_kbit_gemm.py --json "$out/kbit_gemm.json" --plot "$out/kbit_gemm.png" ${KBIT_GEMM_BENCH_ARGS:-} \
+        > "$out/bench_kbit_gemm.log" 2>&1
+fi
+
+echo "==================== summary"
+grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -30
+tail -n 3 "$out/pytest.log"
+tail -n 8 "$out/bench_dequantize.log"
+[ -f "$out/bench_kbit_gemm.log" ] && tail -n 60 "$out/bench_kbit_gemm.log"
+exit $pytest_rc

@@ -1,0 +1,87 @@
+"""One timing helper for every benchmark script (STYLE.md section 11): CUDA events around each
+call after warm-up, the median of many calls, and inputs rotated over enough copies that one
+rotation touches more than 3x the L2 cache, so data streams from DRAM as it does in inference."""
+
+import statistics
+
+import torch
+
+
+def l2_bytes(device=None) -> int:
+    return torch.cuda.get_device_properties(device or torch.cuda.current_device()).L2_cache_size
+
+
+def copies_to_defeat_l2(bytes_per_copy: int, factor: float = 3.0, max_copies: int = 64) -> int:
+    return max(1, min(max_copies, int(factor * l2_bytes() // max(bytes_per_copy, 1)) + 1))
+
+
+def median_us(fn, rotate: int = 1, warmup: int = 10, iters: int = 100) -> float:
+    """Median time in microseconds of fn(i) for i cycling over range(rotate)."""
+    for i in range(warmup):
+        fn(i % rotate)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(i % rotate)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def median_us_graph(fn, rotate: int = 1, warmup: int = 3, iters: int = 50, calls_per_graph: int = 0) -> float:
+    """Median per-call time of fn(i) replayed from a CUDA graph that holds one call for each of
+    `rotate` inputs (or `calls_per_graph` calls cycling over them): launch gaps hidden, as in
+    decoding with CUDA graphs."""
+    calls = calls_per_graph or rotate
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            fn(i % rotate)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % rotate)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def read_write_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes per second of a large elementwise read + write (x + 1 into another buffer),
+    counting bytes read plus bytes written: the DRAM ceiling used for bandwidth floors."""
+    n = nbytes // 4
+    x = torch.rand(n, device="cuda")
+    y = torch.empty_like(x)
+    us = median_us(lambda i: torch.add(x, 1.0, out=y), warmup=3, iters=20)
+    return 2 * n * 4 / (us * 1e-6)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes per second of a device-to-device copy_, counting bytes read plus bytes written."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    us = median_us(lambda i: y.copy_(x), warmup=3, iters=20)
+    return 2 * nbytes / (us * 1e-6)
+
+
+def gpu_info() -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "l2_bytes": props.L2_cache_size,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
