@@ -7,6 +7,7 @@ import functools
 import torch
 
 from ..._ops import (
+    SUPPORTED_K,
     check_dequantize_args,
     check_out,
     check_quantize_args,
@@ -26,6 +27,17 @@ _SIGNATURES = {
     # (packed, absmax, codebook, codebook_len, out, n, stream)
     "cdequantize_kbit_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_longlong, ct.c_void_p],
 }
+
+
+def entry_point_names() -> list[str]:
+    """Every C symbol this backend may call (for the build test)."""
+    return [
+        template.format(dtype=d, absmax=a, k=k)
+        for template in _SIGNATURES
+        for d in _DTYPE_NAME.values()
+        for a in _ABSMAX_NAME.values()
+        for k in SUPPORTED_K
+    ]
 
 
 @functools.cache

@@ -1,0 +1,44 @@
+"""The native library: present when the build had nvcc (CI sets KBIT_REQUIRE_NATIVE), every C
+entry point the ctypes table names is exported, and a missing library gives a clear message."""
+
+import ctypes as ct
+import itertools
+import os
+
+import pytest
+
+from bitsandbytes_kbit import cextension
+from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
+
+
+def test_native_library_present_when_required():
+    if os.environ.get("KBIT_REQUIRE_NATIVE"):
+        assert cextension.is_available(), f"nvcc was present but {cextension.library_path()} was not built"
+    else:
+        assert cextension.is_available() in (True, False)
+        pytest.skip("KBIT_REQUIRE_NATIVE not set: the library is optional here")
+
+
+def test_every_entry_point_is_exported():
+    if not cextension.is_available():
+        pytest.skip("no native library in this install")
+    lib = cextension.get_lib()
+    names = cuda_ops.entry_point_names()
+    assert len(names) >= 72
+    missing = [name for name in names if not hasattr(lib, name)]
+    assert not missing
+    lib.ckbit_error_string.restype = ct.c_char_p
+    assert lib.ckbit_error_string(0) == b"no error"
+
+
+def test_missing_library_message(monkeypatch, tmp_path):
+    monkeypatch.setenv(cextension.LIBRARY_ENV, str(tmp_path / "absent.so"))
+    cextension._load.cache_clear()
+    try:
+        assert not cextension.is_available()
+        with pytest.raises(cextension.KbitLibraryMissingError, match="installed without a CUDA toolkit"):
+            cextension.get_lib()
+    finally:
+        monkeypatch.delenv(cextension.LIBRARY_ENV)
+        cextension._load.cache_clear()
+    assert list(itertools.islice(cuda_ops.entry_point_names(), 1))
