@@ -12,42 +12,52 @@ import warnings
 from . import _ops  # noqa: F401  (op definitions first)
 from .backends.cuda import ops as _cuda_ops  # noqa: F401
 from .backends.default import ops as _default_ops  # noqa: F401
-from . import functional
+from . import functional, integrations, nn
+from .nn import KBIT_FORMAT_VERSION, LinearKbit, ParamsKbit
 from .functional import (
     create_codebook,
     create_normal_float_codebook,
     decode_absmax_e4m4,
     dequantize_kbit,
     encode_absmax_e4m4,
+    kbit_gemm,
     quantize_kbit,
+    repack_kbit,
 )
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "functional",
-    "create_codebook",
-    "create_normal_float_codebook",
-    "encode_absmax_e4m4",
-    "decode_absmax_e4m4",
-    "quantize_kbit",
-    "dequantize_kbit",
-]
+__all__ = ["functional", *functional.__all__, "nn", "integrations", *nn.__all__, "BitsAndBytesKbitConfig"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing transformers takes seconds, and `import bitsandbytes` loads this package.
+    if name == "BitsAndBytesKbitConfig":
+        from .integrations.transformers import BitsAndBytesKbitConfig
+
+        return BitsAndBytesKbitConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _attach_to_bitsandbytes() -> None:
     """Add our public names to bitsandbytes' modules; never replace a name bitsandbytes has."""
     import bitsandbytes.functional as bnb_functional
 
+    import bitsandbytes.nn as bnb_nn
+
     for name in functional.__all__:
         if not hasattr(bnb_functional, name):
             setattr(bnb_functional, name, getattr(functional, name))
+    for name in nn.__all__:
+        if not hasattr(bnb_nn, name):
+            setattr(bnb_nn, name, getattr(nn, name))
 
 
 def _load_as_bitsandbytes_backend() -> None:
     """Entry point of the ``bitsandbytes.backends`` group, called with no arguments at the end
     of ``import bitsandbytes``. An exception escaping it would break ``import bitsandbytes`` for
     everyone, so it warns instead."""
+    integrations.register()  # transformers quantizer; never raises
     try:
         _attach_to_bitsandbytes()
     except Exception as exc:  # noqa: BLE001
@@ -57,3 +67,4 @@ def _load_as_bitsandbytes_backend() -> None:
 # Imported after bitsandbytes (not through its entry point): attach now.
 if "bitsandbytes.functional" in sys.modules:
     _load_as_bitsandbytes_backend()
+integrations.register()

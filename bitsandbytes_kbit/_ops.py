@@ -9,6 +9,8 @@ argument, what was given and what is expected.
 
 import torch
 
+from .backends.default.tiled_layout import UNIT_ABSMAX, tiled_sizes
+
 register_fake = torch.library.register_fake
 register_kernel = torch.library.register_kernel
 
@@ -24,7 +26,10 @@ def num_blocks(n: int) -> int:
 
 
 def check_k(op: str, k: int) -> None:
-    torch._check(k in SUPPORTED_K, lambda: f"{op}: k={k} is not supported; expected one of {SUPPORTED_K}")
+    # k is a Python int: a plain check, which Dynamo folds (torch 2.11 graph-breaks on torch._check
+    # whose message closure it cannot evaluate).
+    if k not in SUPPORTED_K:
+        raise RuntimeError(f"{op}: k={k} is not supported; expected one of {SUPPORTED_K}")
 
 
 def check_codebook(op: str, codebook: torch.Tensor, k: int) -> None:
@@ -146,3 +151,170 @@ def _(
     check_dequantize_args(packed, absmax, codebook, k, n, dtype)
     check_out("dequantize_kbit", out, (n,), dtype, packed.device)
 
+
+
+# ---------------------------------------------------------------- repack + fused GEMM
+#
+# The tiled layout is the kernel's own (backends/default/tiled_layout.py mirrors it). Repacked
+# tensors are 2-D, [units, words per unit] and [units, absmax per unit], so a flat
+# (quantize_kbit) buffer handed to kbit_gemm by mistake is rejected instead of read as garbage.
+GEMM_DTYPES = (torch.float16, torch.bfloat16)
+GEMM_ABSMAX_DTYPES = (torch.uint8, torch.float16)
+
+
+def tiled_shapes(k: int, N: int, K_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of repack_kbit's outputs: ([units, words per unit], [units, absmax per unit])."""
+    words, absmax = tiled_sizes(k, N, K_dim)
+    units = absmax // UNIT_ABSMAX
+    return (units, words // units), (units, UNIT_ABSMAX)
+
+
+def check_weight_shape(op: str, k: int, N: int, K_dim: int) -> None:
+    check_k(op, k)
+    torch._check(N >= 1, lambda: f"{op}: N={N} must be >= 1")
+    torch._check(
+        K_dim >= 32 and K_dim % 32 == 0,
+        lambda: f"{op}: K_dim={K_dim} is not a multiple of 32 (the quantization block); pad the weight's rows "
+        "(LinearKbit does this) or quantize a K_dim that is",
+    )
+
+
+def check_repack_args(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int) -> None:
+    op = "repack_kbit"
+    check_weight_shape(op, k, N, K_dim)
+    nb = N * K_dim // 32
+    torch._check(packed.dtype == torch.int32, lambda: f"{op}: packed has dtype {packed.dtype}; expected torch.int32")
+    torch._check(
+        packed.numel() == nb * k,
+        lambda: f"{op}: packed has {packed.numel()} words; expected N*K_dim/32*k = {nb * k} for N={N}, K_dim={K_dim}, k={k}",
+    )
+    torch._check(
+        absmax.dtype in GEMM_ABSMAX_DTYPES,
+        lambda: f"{op}: absmax has dtype {absmax.dtype}; expected torch.uint8 (E4M4) or torch.float16",
+    )
+    torch._check(
+        absmax.numel() == nb,
+        lambda: f"{op}: absmax has {absmax.numel()} entries; expected N*K_dim/32 = {nb} for N={N}, K_dim={K_dim}",
+    )
+    check_same_device(op, packed=packed, absmax=absmax)
+
+
+def check_gemm_args(
+    A: torch.Tensor,
+    B_packed: torch.Tensor,
+    B_absmax: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    N: int,
+    K_dim: int,
+    bias,
+) -> None:
+    op = "kbit_gemm"
+    check_weight_shape(op, k, N, K_dim)
+    torch._check(A.dtype in GEMM_DTYPES, lambda: f"{op}: A has dtype {A.dtype}; expected torch.float16 or torch.bfloat16")
+    torch._check(A.dim() >= 1, lambda: f"{op}: A must have at least one dimension, got a scalar")
+    torch._check(
+        A.shape[-1] == K_dim,
+        lambda: f"{op}: A has {A.shape[-1]} features (shape {tuple(A.shape)}); the weight has K_dim={K_dim}",
+    )
+    (units, words), (_, absmax_per_unit) = tiled_shapes(k, N, K_dim)
+    torch._check(
+        B_packed.dtype == torch.int32, lambda: f"{op}: B_packed has dtype {B_packed.dtype}; expected torch.int32"
+    )
+    torch._check(
+        tuple(B_packed.shape) == (units, words),
+        lambda: f"{op}: B_packed has shape {tuple(B_packed.shape)}; expected {(units, words)} for k={k}, N={N}, "
+        f"K_dim={K_dim} (the output of repack_kbit, not the flat quantize_kbit words)",
+    )
+    torch._check(
+        B_absmax.dtype in GEMM_ABSMAX_DTYPES,
+        lambda: f"{op}: B_absmax has dtype {B_absmax.dtype}; expected torch.uint8 (E4M4) or torch.float16",
+    )
+    torch._check(
+        tuple(B_absmax.shape) == (units, absmax_per_unit),
+        lambda: f"{op}: B_absmax has shape {tuple(B_absmax.shape)}; expected {(units, absmax_per_unit)} "
+        "(the output of repack_kbit)",
+    )
+    check_codebook(op, codebook, k)
+    tensors = {"A": A, "B_packed": B_packed, "B_absmax": B_absmax, "codebook": codebook}
+    if bias is not None:
+        torch._check(
+            tuple(bias.shape) == (N,), lambda: f"{op}: bias has shape {tuple(bias.shape)}; expected ({N},)"
+        )
+        torch._check(bias.dtype == A.dtype, lambda: f"{op}: bias has dtype {bias.dtype}; expected {A.dtype} (A's)")
+        tensors["bias"] = bias
+    check_same_device(op, **tensors)
+
+
+torch.library.define(
+    "bitsandbytes::repack_kbit",
+    "(Tensor packed, Tensor absmax, int k, int N, int K_dim) -> (Tensor, Tensor)",
+)
+
+
+@register_fake("bitsandbytes::repack_kbit")
+def _(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_repack_args(packed, absmax, k, N, K_dim)
+    words_shape, absmax_shape = tiled_shapes(k, N, K_dim)
+    return (
+        torch.empty(words_shape, dtype=torch.int32, device=packed.device),
+        torch.empty(absmax_shape, dtype=absmax.dtype, device=packed.device),
+    )
+
+
+torch.library.define(
+    "bitsandbytes::kbit_gemm",
+    "(Tensor A, Tensor B_packed, Tensor B_absmax, Tensor codebook, int k, int N, int K_dim, Tensor? bias=None) -> Tensor",
+)
+
+
+@register_fake("bitsandbytes::kbit_gemm")
+def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias=None) -> torch.Tensor:
+    check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
+    return torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
+
+
+torch.library.define(
+    "bitsandbytes::kbit_gemm.out",
+    "(Tensor A, Tensor B_packed, Tensor B_absmax, Tensor codebook, int k, int N, int K_dim, Tensor? bias, "
+    "Tensor! out) -> ()",
+)
+
+
+@register_fake("bitsandbytes::kbit_gemm.out")
+def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
+    check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
+    check_out("kbit_gemm", out, (*A.shape[:-1], N), A.dtype, A.device)
+
+
+def check_dequantize_tiled_args(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> None:
+    op = "dequantize_kbit_tiled"
+    check_weight_shape(op, k, N, K_dim)
+    torch._check(dtype in GEMM_DTYPES, lambda: f"{op}: dtype={dtype} is not supported; expected torch.float16 or torch.bfloat16")
+    (units, words), (_, absmax_per_unit) = tiled_shapes(k, N, K_dim)
+    torch._check(
+        B_packed.dtype == torch.int32 and tuple(B_packed.shape) == (units, words),
+        lambda: f"{op}: B_packed is {B_packed.dtype} {tuple(B_packed.shape)}; expected torch.int32 {(units, words)} "
+        "(the output of repack_kbit)",
+    )
+    torch._check(
+        B_absmax.dtype in GEMM_ABSMAX_DTYPES and tuple(B_absmax.shape) == (units, absmax_per_unit),
+        lambda: f"{op}: B_absmax is {B_absmax.dtype} {tuple(B_absmax.shape)}; expected uint8 or float16 "
+        f"{(units, absmax_per_unit)} (the output of repack_kbit)",
+    )
+    check_codebook(op, codebook, k)
+    check_same_device(op, B_packed=B_packed, B_absmax=B_absmax, codebook=codebook)
+
+
+# The weight a repacked (tiled) tensor holds, W[N, K_dim] in dtype: for backward passes, merges and
+# the large-M path, without keeping a flat copy of the packed weight.
+torch.library.define(
+    "bitsandbytes::dequantize_kbit_tiled",
+    "(Tensor B_packed, Tensor B_absmax, Tensor codebook, int k, int N, int K_dim, ScalarType dtype) -> Tensor",
+)
+
+
+@register_fake("bitsandbytes::dequantize_kbit_tiled")
+def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.Tensor:
+    check_dequantize_tiled_args(B_packed, B_absmax, codebook, k, N, K_dim, dtype)
+    return torch.empty((N, K_dim), dtype=dtype, device=B_packed.device)

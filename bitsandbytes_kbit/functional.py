@@ -27,6 +27,8 @@ __all__ = [
     "decode_absmax_e4m4",
     "quantize_kbit",
     "dequantize_kbit",
+    "repack_kbit",
+    "kbit_gemm",
 ]
 
 CODEBOOK_KINDS = ("nf", "uniform", "fp4")
@@ -194,3 +196,35 @@ def dequantize_kbit(
         return out
     return torch.ops.bitsandbytes.dequantize_kbit(packed, absmax, cb, k, n, dtype)
 
+
+
+def repack_kbit(
+    packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rearrange a quantized weight W[N, K] (``quantize_kbit`` of an ``nn.Linear`` weight: flat
+    format, E4M4 or float16 absmax) into the tiled layout ``kbit_gemm`` reads. Run once at load;
+    the result is 2-D ([units, words] int32 and [units, 64] absmax), its layout the kernel's own.
+    K must be a multiple of 32; N and K are padded inside as the kernel needs."""
+    return torch.ops.bitsandbytes.repack_kbit(packed, absmax, k, N, K)
+
+
+def kbit_gemm(
+    A: torch.Tensor,
+    B_packed: torch.Tensor,
+    B_absmax: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    N: int,
+    K: int,
+    bias: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """C = A @ W^T (+ bias) for a k-bit weight W[N, K] repacked by ``repack_kbit``.
+
+    A is float16 or bfloat16 of shape [..., K] (leading dims are flattened to M, any M >= 1);
+    C has shape [..., N] and A's dtype; accumulation is float32. With ``out`` the result is
+    written in place and nothing is allocated (CUDA-graph friendly)."""
+    if out is not None:
+        torch.ops.bitsandbytes.kbit_gemm.out(A, B_packed, B_absmax, codebook, k, N, K, bias, out)
+        return out
+    return torch.ops.bitsandbytes.kbit_gemm(A, B_packed, B_absmax, codebook, k, N, K, bias)

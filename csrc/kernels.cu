@@ -2,6 +2,7 @@
 // instantiations. Nothing here depends on another translation unit's device code, so the
 // library links without relocatable device code.
 #include "kernels.cuh"
+#include "kbit_tiled_unit.cuh"
 
 namespace kbit {
 
@@ -165,5 +166,27 @@ void launch_dequantize_kbit(
 KBIT_INSTANTIATE_ABSMAX(half)
 KBIT_INSTANTIATE_ABSMAX(__nv_bfloat16)
 KBIT_INSTANTIATE_ABSMAX(float)
+
+template <int K_BITS, typename T, bool ABS_U8>
+void launch_dequantize_tiled(
+    unsigned grid, unsigned threads, cudaStream_t stream, const TiledWeight& w, int n16_begin, int n16_end, T* out
+) {
+    kbit_dequant_tiled_kernel<K_BITS, T, ABS_U8><<<grid, threads, 0, stream>>>(w, n16_begin, n16_end, out);
+}
+
+// Instantiations: the GEMM's compute dtypes x absmax storage (E4M4 / fp16) x bit width.
+#define KBIT_INSTANTIATE_TILED(K_BITS)                                                                                 \
+    template void launch_dequantize_tiled<K_BITS, half, true>(unsigned, unsigned, cudaStream_t, const TiledWeight&, int, int, half*); \
+    template void launch_dequantize_tiled<K_BITS, half, false>(unsigned, unsigned, cudaStream_t, const TiledWeight&, int, int, half*); \
+    template void launch_dequantize_tiled<K_BITS, __nv_bfloat16, true>(                                                \
+        unsigned, unsigned, cudaStream_t, const TiledWeight&, int, int, __nv_bfloat16*                                 \
+    );                                                                                                                 \
+    template void launch_dequantize_tiled<K_BITS, __nv_bfloat16, false>(                                               \
+        unsigned, unsigned, cudaStream_t, const TiledWeight&, int, int, __nv_bfloat16*                                 \
+    );
+KBIT_INSTANTIATE_TILED(2)
+KBIT_INSTANTIATE_TILED(3)
+KBIT_INSTANTIATE_TILED(4)
+KBIT_INSTANTIATE_TILED(5)
 
 }  // namespace kbit

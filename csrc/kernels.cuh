@@ -111,4 +111,12 @@ void launch_dequantize_kbit(
     const float* codebook, int codebook_len, T* out, long long n, bool vector_store
 );
 
+// tiled weight (repack_kbit's layout) -> fp16/bf16 rows [16 n16_begin, 16 n16_end) x K_dim, row-major;
+// for the large-M path. TiledWeight and the kernel live in kbit_tiled_unit.cuh.
+struct TiledWeight;
+template <int K_BITS, typename T, bool ABS_U8>
+void launch_dequantize_tiled(
+    unsigned grid, unsigned threads, cudaStream_t stream, const TiledWeight& w, int n16_begin, int n16_end, T* out
+);
+
 }  // namespace kbit

@@ -1,4 +1,5 @@
 // Host launchers: launch geometry and the checks of what the kernels assume.
+#include "kbit_tiled_unit.cuh"
 #include "kernels.cuh"
 #include "ops.cuh"
 
@@ -67,6 +68,50 @@ cudaError_t dequantize_kbit(
     );
     return cudaGetLastError();
 }
+
+template <int K_BITS, typename T, bool ABS_U8>
+cudaError_t dequantize_tiled(
+    const int32_t* B_packed, const void* B_absmax, const float* codebook, int codebook_len, T* out, int N, int K_dim,
+    int n_begin, int n_end, cudaStream_t stream
+) {
+    if (n_begin % UNIT_ROWS != 0 || n_begin < 0 || n_end > N || K_dim % BLOCK_ELEMS != 0)
+        return cudaErrorInvalidValue;
+    if (n_end <= n_begin)
+        return cudaSuccess;
+    TiledWeight w;
+    w.B = reinterpret_cast<const uint32_t*>(B_packed);
+    w.B_absmax = B_absmax;
+    w.codebook = codebook;
+    w.codebook_len = codebook_len;
+    w.N = n_end;  // rows past n_end are not written
+    w.K_dim = K_dim;
+    w.k_steps = (K_dim + UNIT_K - 1) / UNIT_K;
+    w.n16_tiles = (N + UNIT_ROWS - 1) / UNIT_ROWS;
+    // persistent: the pair table is built once per CTA (8 CTAs of 256 threads fill an SM)
+    launch_dequantize_tiled<K_BITS, T, ABS_U8>(
+        static_cast<unsigned>(current_sm_count()) * 8, DEQ_TILED_THREADS, stream, w, n_begin / UNIT_ROWS,
+        (n_end + UNIT_ROWS - 1) / UNIT_ROWS, out
+    );
+    return cudaGetLastError();
+}
+
+#define KBIT_TILED_LAUNCHERS(K_BITS)                                                                                   \
+    template cudaError_t dequantize_tiled<K_BITS, half, true>(                                                         \
+        const int32_t*, const void*, const float*, int, half*, int, int, int, int, cudaStream_t                        \
+    );                                                                                                                 \
+    template cudaError_t dequantize_tiled<K_BITS, half, false>(                                                        \
+        const int32_t*, const void*, const float*, int, half*, int, int, int, int, cudaStream_t                        \
+    );                                                                                                                 \
+    template cudaError_t dequantize_tiled<K_BITS, __nv_bfloat16, true>(                                                \
+        const int32_t*, const void*, const float*, int, __nv_bfloat16*, int, int, int, int, cudaStream_t               \
+    );                                                                                                                 \
+    template cudaError_t dequantize_tiled<K_BITS, __nv_bfloat16, false>(                                               \
+        const int32_t*, const void*, const float*, int, __nv_bfloat16*, int, int, int, int, cudaStream_t               \
+    );
+KBIT_TILED_LAUNCHERS(2)
+KBIT_TILED_LAUNCHERS(3)
+KBIT_TILED_LAUNCHERS(4)
+KBIT_TILED_LAUNCHERS(5)
 
 #define KBIT_LAUNCHERS(T, ABSMAX_T, K_BITS)                                                                            \
     template cudaError_t quantize_kbit<T, K_BITS, ABSMAX_T>(                                                           \

@@ -35,7 +35,28 @@
     KBIT_QUANT_ENTRIES_K(tname, T, fp16abs, half)                                                                      \
     KBIT_QUANT_ENTRIES_K(tname, T, fp32abs, float)
 
+#define KBIT_TILED_ENTRY(tname, T, aname, ABS_U8, K_BITS)                                                             \
+    int cdequantize_tiled_##tname##_##aname##_k##K_BITS(                                                               \
+        const int32_t* B_packed, const void* B_absmax, const float* codebook, int codebook_len, void* out, int N,      \
+        int K_dim, int n_begin, int n_end, cudaStream_t stream                                                         \
+    ) {                                                                                                                \
+        return static_cast<int>(kbit::dequantize_tiled<K_BITS, T, ABS_U8>(                                             \
+            B_packed, B_absmax, codebook, codebook_len, static_cast<T*>(out), N, K_dim, n_begin, n_end, stream         \
+        ));                                                                                                            \
+    }
+#define KBIT_TILED_ENTRIES(K_BITS)                                                                                     \
+    KBIT_TILED_ENTRY(fp16, half, u8abs, true, K_BITS)                                                                  \
+    KBIT_TILED_ENTRY(fp16, half, fp16abs, false, K_BITS)                                                               \
+    KBIT_TILED_ENTRY(bf16, __nv_bfloat16, u8abs, true, K_BITS)                                                         \
+    KBIT_TILED_ENTRY(bf16, __nv_bfloat16, fp16abs, false, K_BITS)
+
 extern "C" {
+
+KBIT_TILED_ENTRIES(2)
+KBIT_TILED_ENTRIES(3)
+KBIT_TILED_ENTRIES(4)
+KBIT_TILED_ENTRIES(5)
+
 
 KBIT_QUANT_ENTRIES_ABSMAX(fp16, half)
 KBIT_QUANT_ENTRIES_ABSMAX(bf16, __nv_bfloat16)

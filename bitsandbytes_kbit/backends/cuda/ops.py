@@ -9,10 +9,14 @@ import torch
 from ..._ops import (
     SUPPORTED_K,
     check_dequantize_args,
+    check_dequantize_tiled_args,
+    check_gemm_args,
     check_out,
     check_quantize_args,
+    check_repack_args,
     num_blocks,
     register_kernel,
+    tiled_shapes,
 )
 from ...cextension import get_lib
 from ..default.ops import check_finite
@@ -26,18 +30,28 @@ _SIGNATURES = {
     "cquantize_kbit_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_void_p, ct.c_longlong, ct.c_void_p],
     # (packed, absmax, codebook, codebook_len, out, n, stream)
     "cdequantize_kbit_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_longlong, ct.c_void_p],
+    # (packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream)
+    "ckbit_repack_k{k}_{absmax}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_int, ct.c_void_p],
+    # (A, B_packed, B_absmax, codebook, codebook_len, bias, C, M, N, K_dim, lda, workspace, workspace_bytes,
+    #  sm_count, config_override, stream)
+    # (B_packed, B_absmax, codebook, codebook_len, out, N, K_dim, n_begin, n_end, stream)
+    "cdequantize_tiled_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_int, ct.c_int, ct.c_int, ct.c_int, ct.c_void_p],
+    "ckbit_gemm_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_int, ct.c_int, ct.c_int, ct.c_void_p, ct.c_size_t, ct.c_int, ct.c_int, ct.c_void_p],
 }
+_GEMM_DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_GEMM_ABSMAX_NAME = {torch.uint8: "u8abs", torch.float16: "fp16abs"}
 
 
 def entry_point_names() -> list[str]:
     """Every C symbol this backend may call (for the build test)."""
-    return [
-        template.format(dtype=d, absmax=a, k=k)
-        for template in _SIGNATURES
-        for d in _DTYPE_NAME.values()
-        for a in _ABSMAX_NAME.values()
-        for k in SUPPORTED_K
-    ]
+    names = set()
+    for template in _SIGNATURES:
+        gemm = template.startswith(("ckbit_", "cdequantize_tiled"))
+        for d in (_GEMM_DTYPE_NAME if gemm else _DTYPE_NAME).values():
+            for a in (_GEMM_ABSMAX_NAME if gemm else _ABSMAX_NAME).values():
+                for k in SUPPORTED_K:
+                    names.add(template.format(dtype=d, absmax=a, k=k))
+    return sorted(names) + ["ckbit_gemm_workspace_bytes", "ckbit_gemm_num_configs", "ckbit_error_string", "ckbit_last_error"]
 
 
 @functools.cache
@@ -58,11 +72,15 @@ def _stream(t: torch.Tensor) -> ct.c_void_p:
 
 
 def _call(op: str, fn, *args) -> None:
+    """Call a C entry; a nonzero return is an error: the GEMM entries leave their message in
+    ckbit_last_error, the others return a cudaError_t."""
     err = fn(*args)
     if err != 0:
         lib = get_lib()
+        lib.ckbit_last_error.restype = ct.c_char_p
         lib.ckbit_error_string.restype = ct.c_char_p
-        raise RuntimeError(f"{op}: CUDA error {err}: {lib.ckbit_error_string(err).decode()}")
+        detail = lib.ckbit_last_error().decode() if fn.__name__.startswith("ckbit_") else ""
+        raise RuntimeError(f"{op}: {detail or 'CUDA error ' + str(err) + ': ' + lib.ckbit_error_string(err).decode()}")
 
 
 @register_kernel("bitsandbytes::quantize_kbit", "cuda")
@@ -118,3 +136,155 @@ def _(
     check_dequantize_args(packed, absmax, codebook, k, n, dtype)
     check_out("dequantize_kbit", out, (n,), dtype, packed.device)
     _dequantize(packed, absmax, codebook, k, n, dtype, out)
+
+
+# ---------------------------------------------------------------- repack + fused GEMM
+
+
+@register_kernel("bitsandbytes::repack_kbit", "cuda")
+def _(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_repack_args(packed, absmax, k, N, K_dim)
+    fn = _entry("ckbit_repack_k{k}_{absmax}", k=k, absmax=_GEMM_ABSMAX_NAME[absmax.dtype])
+    words_shape, absmax_shape = tiled_shapes(k, N, K_dim)
+    packed = packed.contiguous()
+    absmax = absmax.contiguous()
+    B_packed = torch.zeros(words_shape, dtype=torch.int32, device=packed.device)
+    B_absmax = torch.zeros(absmax_shape, dtype=absmax.dtype, device=packed.device)
+    with torch.cuda.device(packed.device):
+        _call("repack_kbit", fn, _ptr(packed), _ptr(absmax), _ptr(B_packed), _ptr(B_absmax), N, K_dim, _stream(packed))
+    return B_packed, B_absmax
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Split-K workspace: one zero-initialised buffer per device, reused by every call (the kernel's
+# tile counters reset themselves). It grows only outside CUDA-graph capture; a call that needs
+# more than it has while capturing gets fewer k-splits (the dispatcher falls back), never an
+# allocation.
+_MIN_WORKSPACE_BYTES = 8 << 20
+_workspaces: dict[int, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, needed: int) -> torch.Tensor:
+    index = device.index
+    ws = _workspaces.get(index)
+    if (ws is None or ws.numel() < needed) and not torch.cuda.is_current_stream_capturing():
+        ws = torch.zeros(max(needed, _MIN_WORKSPACE_BYTES, 0 if ws is None else ws.numel()), dtype=torch.uint8, device=device)
+        _workspaces[index] = ws
+    if ws is None:
+        raise RuntimeError("kbit_gemm: first call on this device happened under CUDA-graph capture; run it once eagerly first")
+    return ws
+
+
+def gemm_num_configs() -> int:
+    lib = get_lib()
+    lib.ckbit_gemm_num_configs.restype = ct.c_int
+    return lib.ckbit_gemm_num_configs()
+
+
+def _dequantize_tiled_rows(B_packed, B_absmax, codebook, k, N, K_dim, n_begin, n_end, out) -> None:
+    fn = _entry(
+        "cdequantize_tiled_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[out.dtype], absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype], k=k
+    )
+    with torch.cuda.device(out.device):
+        _call(
+            "dequantize_kbit_tiled", fn, _ptr(B_packed), _ptr(B_absmax), _ptr(codebook), codebook.numel(), _ptr(out),
+            N, K_dim, n_begin, n_end, _stream(out),
+        )
+
+
+@register_kernel("bitsandbytes::dequantize_kbit_tiled", "cuda")
+def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.Tensor:
+    check_dequantize_tiled_args(B_packed, B_absmax, codebook, k, N, K_dim, dtype)
+    out = torch.empty((N, K_dim), dtype=dtype, device=B_packed.device)
+    _dequantize_tiled_rows(B_packed, B_absmax, codebook.contiguous(), k, N, K_dim, 0, N, out)
+    return out
+
+
+# The large-M path: above STAGED_MIN_M tokens the product is bound by the tensor cores, and
+# dequantizing the weight in chunks to a cached scratch and letting cuBLAS multiply beats the
+# fused mma.sync kernel (H200, dev/sm90/staged.py and benchmarking/bench_kbit_gemm.py: 0.74-0.78x
+# cuBLAS at M = 1024, 0.85-0.93x at M = 4096). M <= 256 never takes it, so no fp16 copy of W is
+# made there. The scratch holds at most STAGING_BYTES (one chunk of rows), per device and dtype,
+# and is never allocated under CUDA-graph capture (the fused kernel runs instead).
+STAGED_MIN_M = 257
+STAGING_BYTES = 64 << 20
+_scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
+def _staging_buffer(device: torch.device, dtype: torch.dtype, elems: int):
+    key = (device.index, dtype)
+    buf = _scratch.get(key)
+    if (buf is None or buf.numel() < elems) and not torch.cuda.is_current_stream_capturing():
+        buf = torch.empty(elems, dtype=dtype, device=device)
+        _scratch[key] = buf
+    return buf if buf is not None and buf.numel() >= elems else None
+
+
+def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> bool:
+    rows = min(N, max(16, STAGING_BYTES // (2 * K_dim) // 16 * 16))
+    scratch = _staging_buffer(A2.device, A2.dtype, rows * K_dim)
+    if scratch is None:
+        return False
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        W = scratch[: (n1 - n0) * K_dim].view(n1 - n0, K_dim)
+        _dequantize_tiled_rows(B_packed, B_absmax, codebook, k, N, K_dim, n0, n1, W)
+        out = C2 if (n0 == 0 and n1 == N) else C2[:, n0:n1]
+        if bias is not None:
+            torch.addmm(bias[n0:n1], A2, W.t(), out=out)
+        else:
+            torch.mm(A2, W.t(), out=out)
+    return True
+
+
+def kbit_gemm_cuda(
+    A, B_packed, B_absmax, codebook, k, N, K_dim, bias, out, config: int = -1, sm_count: int = 0, path: str = "auto"
+) -> None:
+    """C = A @ W^T (+ bias) into ``out`` ([..., N], A's dtype).
+
+    path: "auto" (fused kernel up to STAGED_MIN_M - 1 tokens, staged above), "fused" or "staged".
+    config forces one compiled configuration of the fused kernel (-1: its dispatcher picks) and
+    sm_count overrides the SM count it plans with, so tests reach every config and split on any GPU."""
+    A2 = A.reshape(-1, K_dim)
+    if A2.stride(-1) != 1 or A2.stride(0) < K_dim or A2.data_ptr() % 16 or A2.stride(0) % 8:
+        A2 = A2.contiguous()
+    M = A2.shape[0]
+    if M == 0:
+        return
+    if path == "staged" or (path == "auto" and config < 0 and M >= STAGED_MIN_M):
+        if _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
+            return
+    fn = _entry(
+        "ckbit_gemm_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[A.dtype], absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype], k=k
+    )
+    device = A.device
+    sms = sm_count or _sm_count(device.index)
+    lib = get_lib()
+    lib.ckbit_gemm_workspace_bytes.restype = ct.c_size_t
+    lib.ckbit_gemm_workspace_bytes.argtypes = [ct.c_int] * 5
+    ws = _workspace(device, lib.ckbit_gemm_workspace_bytes(M, N, K_dim, k, sms))
+    with torch.cuda.device(device):
+        _call(
+            "kbit_gemm", fn, _ptr(A2), _ptr(B_packed), _ptr(B_absmax), _ptr(codebook), codebook.numel(),
+            _ptr(bias) if bias is not None else None, _ptr(out), M, N, K_dim, A2.stride(0), _ptr(ws), ws.numel(),
+            sms, config, _stream(A),
+        )
+
+
+@register_kernel("bitsandbytes::kbit_gemm", "cuda")
+def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias=None) -> torch.Tensor:
+    check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
+    out = torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
+    kbit_gemm_cuda(A, B_packed, B_absmax, codebook.contiguous(), k, N, K_dim, bias, out)
+    return out
+
+
+@register_kernel("bitsandbytes::kbit_gemm.out", "cuda")
+def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
+    check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
+    check_out("kbit_gemm", out, (*A.shape[:-1], N), A.dtype, A.device)
+    kbit_gemm_cuda(A, B_packed, B_absmax, codebook.contiguous(), k, N, K_dim, bias, out)

@@ -21,11 +21,16 @@ import torch
 from ..._ops import (
     BLOCKSIZE,
     check_dequantize_args,
+    check_dequantize_tiled_args,
+    check_gemm_args,
     check_out,
     check_quantize_args,
+    check_repack_args,
     num_blocks,
     register_kernel,
+    tiled_shapes,
 )
+from .tiled_layout import repack_kbit_reference, unrepack_kbit_reference
 
 E4M4_BIAS = 11
 _CHUNK_BLOCKS = 8192  # blocks per step of the nearest-entry search: 8192 x 32 x 32 floats = 32 MiB
@@ -161,3 +166,48 @@ def _(
     check_dequantize_args(packed, absmax, codebook, k, n, dtype)
     check_out("dequantize_kbit", out, (n,), dtype, packed.device)
     out.copy_(dequantize_kbit_impl(packed, absmax, codebook, k, n, dtype))
+
+
+# ---------------------------------------------------------------- repack + GEMM (reference)
+
+
+@register_kernel("bitsandbytes::repack_kbit", "default")
+def _(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_repack_args(packed, absmax, k, N, K_dim)
+    words_shape, absmax_shape = tiled_shapes(k, N, K_dim)
+    B_packed, B_absmax = repack_kbit_reference(packed.reshape(-1), absmax.reshape(-1), k, N, K_dim)
+    return B_packed.reshape(words_shape), B_absmax.reshape(absmax_shape)
+
+
+def dequantize_tiled(B_packed: torch.Tensor, B_absmax: torch.Tensor, codebook: torch.Tensor, k: int, N: int, K_dim: int):
+    """The float32 weight W[N, K_dim] that a repacked (tiled) weight holds."""
+    packed, absmax = unrepack_kbit_reference(B_packed.reshape(-1), B_absmax.reshape(-1), k, N, K_dim)
+    return dequantize_kbit_impl(packed, absmax, codebook, k, N * K_dim, torch.float32).view(N, K_dim)
+
+
+def kbit_gemm_impl(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias) -> torch.Tensor:
+    """C = A @ W^T (+ bias) in float32 on the dequantized weight, cast to A's dtype."""
+    W = dequantize_tiled(B_packed, B_absmax, codebook, k, N, K_dim)
+    C = A.reshape(-1, K_dim).to(torch.float32) @ W.t()
+    if bias is not None:
+        C += bias.to(torch.float32)
+    return C.to(A.dtype).reshape(*A.shape[:-1], N)
+
+
+@register_kernel("bitsandbytes::kbit_gemm", "default")
+def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias=None) -> torch.Tensor:
+    check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
+    return kbit_gemm_impl(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
+
+
+@register_kernel("bitsandbytes::kbit_gemm.out", "default")
+def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
+    check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
+    check_out("kbit_gemm", out, (*A.shape[:-1], N), A.dtype, A.device)
+    out.copy_(kbit_gemm_impl(A, B_packed, B_absmax, codebook, k, N, K_dim, bias))
+
+
+@register_kernel("bitsandbytes::dequantize_kbit_tiled", "default")
+def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.Tensor:
+    check_dequantize_tiled_args(B_packed, B_absmax, codebook, k, N, K_dim, dtype)
+    return dequantize_tiled(B_packed, B_absmax, codebook, k, N, K_dim).to(dtype)

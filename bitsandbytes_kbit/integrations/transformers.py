@@ -1,0 +1,330 @@
+"""transformers (>= 5, < 6) support: the ``bitsandbytes_kbit`` quantization method.
+
+    from bitsandbytes_kbit import BitsAndBytesKbitConfig
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=4))
+    model.save_pretrained(out)                      # packed weights + config.json "quantization_config"
+    model = AutoModelForCausalLM.from_pretrained(out)  # after `import bitsandbytes_kbit` (or bitsandbytes)
+
+Every ``nn.Linear`` except the skipped ones (default: the output head and tied weights, plus
+``skip_modules``) becomes a ``LinearKbit``. On-the-fly loads quantize each weight on the device
+it is loaded to; pre-quantized loads read the module's own parameter and buffers (``weight``,
+``absmax``, ``codebook``, ``kbit_format``), so no conversion is needed either way.
+
+This module imports transformers; ``bitsandbytes_kbit.integrations.register()`` registers it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers.base import HfQuantizer
+from transformers.quantizers.quantizers_utils import should_convert_module
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .. import functional as kbit_F
+from .._ops import SUPPORTED_K
+from ..nn.modules import LinearKbit, ParamsKbit
+
+logger = logging.getLogger(__name__)
+
+QUANT_METHOD = "bitsandbytes_kbit"
+_CODEBOOK_NAMES = ("nf", "uniform", "fp4")
+_COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _dtype_name(dtype: None | str | torch.dtype) -> str | None:
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if name not in _COMPUTE_DTYPES:
+        raise ValueError(
+            f"BitsAndBytesKbitConfig: bnb_kbit_compute_dtype={dtype!r} is not supported; expected None or one of "
+            f"{tuple(_COMPUTE_DTYPES)}"
+        )
+    return name
+
+
+class BitsAndBytesKbitConfig(QuantizationConfigMixin):
+    """Quantization config of the ``bitsandbytes_kbit`` method (k-bit blockwise weights, k = 2..5).
+
+    Args:
+        load_in_kbit: must be True (the name mirrors ``load_in_4bit`` of ``BitsAndBytesConfig``).
+        bnb_kbit_bits: k, bits per weight (2, 3, 4 or 5).
+        bnb_kbit_codebook: ``"nf"`` (normal float, default), ``"uniform"``, ``"fp4"`` (k = 4) or a list of
+            at most 2^k floats.
+        bnb_kbit_compute_dtype: dtype of the matmuls (``torch.float16``, ``torch.bfloat16``,
+            ``torch.float32`` or their names); None: the input's dtype.
+        skip_modules: module names (or patterns, as transformers matches them) kept in float, added to the
+            default skips (output head, tied weights, ``_keep_in_fp32_modules``).
+        modules_to_not_convert: filled in at quantization: every module that was kept in float, so a
+            pre-quantized reload builds exactly the same model.
+    """
+
+    def __init__(
+        self,
+        load_in_kbit: bool = True,
+        bnb_kbit_bits: int = 4,
+        bnb_kbit_codebook: str | list[float] = "nf",
+        bnb_kbit_compute_dtype: None | str | torch.dtype = None,
+        skip_modules: list[str] | None = None,
+        modules_to_not_convert: list[str] | None = None,
+        quant_method: str = QUANT_METHOD,
+        **kwargs: Any,
+    ):
+        if quant_method != QUANT_METHOD:
+            raise ValueError(f"BitsAndBytesKbitConfig: quant_method={quant_method!r}; expected {QUANT_METHOD!r}")
+        if not load_in_kbit:
+            raise ValueError("BitsAndBytesKbitConfig: load_in_kbit=False; this config only describes k-bit weights")
+        if bnb_kbit_bits not in SUPPORTED_K:
+            raise ValueError(
+                f"BitsAndBytesKbitConfig: bnb_kbit_bits={bnb_kbit_bits!r} is not supported; expected one of {SUPPORTED_K}"
+            )
+        if isinstance(bnb_kbit_codebook, torch.Tensor):
+            bnb_kbit_codebook = bnb_kbit_codebook.tolist()
+        if isinstance(bnb_kbit_codebook, str):
+            if bnb_kbit_codebook not in _CODEBOOK_NAMES:
+                raise ValueError(
+                    f"BitsAndBytesKbitConfig: bnb_kbit_codebook={bnb_kbit_codebook!r}; expected one of {_CODEBOOK_NAMES} "
+                    "or a list of floats"
+                )
+        else:
+            bnb_kbit_codebook = [float(v) for v in bnb_kbit_codebook]
+        # Checks the combination (fp4 needs k = 4, a list at most 2^k finite levels) once, here.
+        spec = bnb_kbit_codebook if isinstance(bnb_kbit_codebook, str) else torch.tensor(bnb_kbit_codebook)
+        kbit_F.resolve_codebook(spec, bnb_kbit_bits, "cpu")
+        if kwargs:
+            logger.warning("BitsAndBytesKbitConfig: ignoring unknown keys %s", sorted(kwargs))
+        self.quant_method = QUANT_METHOD
+        self.load_in_kbit = True
+        self.bnb_kbit_bits = int(bnb_kbit_bits)
+        self.bnb_kbit_codebook = bnb_kbit_codebook
+        self.bnb_kbit_compute_dtype = _dtype_name(bnb_kbit_compute_dtype)
+        self.skip_modules = list(skip_modules) if skip_modules is not None else None
+        self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return _COMPUTE_DTYPES.get(self.bnb_kbit_compute_dtype) if self.bnb_kbit_compute_dtype else None
+
+    def codebook_spec(self) -> str | torch.Tensor:
+        """The codebook as ``quantize_kbit`` / ``LinearKbit`` take it: a built-in's name or a CPU tensor."""
+        cb = self.bnb_kbit_codebook
+        return cb if isinstance(cb, str) else torch.tensor(cb, dtype=torch.float32)
+
+    def codebook(self, device=None) -> torch.Tensor:
+        """The float32 codebook on ``device``."""
+        return kbit_F.resolve_codebook(self.codebook_spec(), self.bnb_kbit_bits, device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": self.quant_method,
+            "load_in_kbit": self.load_in_kbit,
+            "bnb_kbit_bits": self.bnb_kbit_bits,
+            "bnb_kbit_codebook": self.bnb_kbit_codebook,
+            "bnb_kbit_compute_dtype": self.bnb_kbit_compute_dtype,
+            "skip_modules": self.skip_modules,
+            "modules_to_not_convert": self.modules_to_not_convert,
+        }
+
+
+def replace_with_linear_kbit(
+    model: nn.Module, config: BitsAndBytesKbitConfig, modules_to_not_convert: list[str], pre_quantized: bool
+) -> list[str]:
+    """Replace every ``type(m) is nn.Linear`` not matched by ``modules_to_not_convert`` by a LinearKbit on the
+    meta device: with a float placeholder weight [out, in] for on-the-fly quantization (transformers casts
+    the incoming tensor to the placeholder's dtype before the quantize op runs), with the packed shapes
+    for a pre-quantized checkpoint. Returns the names of the replaced modules."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or not should_convert_module(name, modules_to_not_convert):
+            continue
+        kwargs = {
+            "bias": module.bias is not None,
+            "k": config.bnb_kbit_bits,
+            "codebook": config.codebook_spec(),
+            "compute_dtype": config.compute_dtype,
+            "device": "meta",
+            "dtype": module.weight.dtype,
+        }
+        if pre_quantized:
+            new = LinearKbit.empty_quantized(module.in_features, module.out_features, **kwargs)
+        else:
+            new = LinearKbit(module.in_features, module.out_features, **kwargs)
+        if module.bias is not None:
+            new.bias.requires_grad_(module.bias.requires_grad)
+        model.set_submodule(name, new)
+        replaced.append(name)
+    return replaced
+
+
+class KbitQuantize(ConversionOps):
+    """The on-the-fly quantize op: one float ``<layer>.weight`` in, the layer's packed ``weight`` and every
+    companion (``absmax``, ``codebook``, ``kbit_format``) out, on the tensor's own device."""
+
+    def __init__(self, hf_quantizer: BitsAndBytesKbitHfQuantizer):
+        self.hf_quantizer = hf_quantizer
+
+    @torch.no_grad()
+    def convert(self, input_dict: dict[str, Any], full_layer_name: str | None = None, model=None, **kwargs):
+        result = {}
+        for name, value in input_dict.items():
+            if isinstance(value, list):
+                if len(value) != 1:
+                    raise ValueError(f"KbitQuantize: {name} arrived as {len(value)} tensors; expected one weight")
+                value = value[0]
+            prefix, _, tensor_name = name.rpartition(".")
+            module = model.get_submodule(prefix)
+            if tensor_name != "weight" or not isinstance(module, LinearKbit):
+                raise ValueError(f"KbitQuantize: {name} is not the weight of a LinearKbit")
+            expected = (module.out_features, module.in_features)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"KbitQuantize: {name} has shape {tuple(value.shape)}; expected {expected}")
+            config = self.hf_quantizer.quantization_config
+            params = ParamsKbit.quantize(value, k=config.bnb_kbit_bits, codebook=config.codebook(value.device))
+            result[name] = nn.Parameter(params.packed, requires_grad=False)
+            result[f"{prefix}.absmax"] = params.absmax
+            result[f"{prefix}.codebook"] = params.codebook.clone()
+            result[f"{prefix}.kbit_format"] = module._format_tensor(value.device)
+            module._is_hf_initialized = True
+        return result
+
+
+def _device_type(value) -> str:
+    if isinstance(value, int):
+        return "cuda"
+    if isinstance(value, torch.device):
+        return value.type
+    return str(value).split(":")[0]
+
+
+class BitsAndBytesKbitHfQuantizer(HfQuantizer):
+    """HfQuantizer of the ``bitsandbytes_kbit`` method (see the module docstring)."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: BitsAndBytesKbitConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.modules_to_not_convert: list[str] = []
+
+    def validate_environment(self, *args, **kwargs):
+        device_map = kwargs.get("device_map")
+        if not isinstance(device_map, dict):
+            return
+        types = {_device_type(v) for v in device_map.values()}
+        offloaded = types & {"cpu", "disk"}
+        accelerators = types - {"cpu", "disk", "meta"}
+        if "disk" in types or (offloaded and accelerators):
+            what = "quantized on the fly" if not self.pre_quantized else "loaded pre-quantized"
+            where = "to disk" if "disk" in types else "to the CPU next to a GPU"
+            raise ValueError(
+                f"bitsandbytes_kbit: device_map places modules on {sorted(types)}; k-bit weights {what} cannot be "
+                f"offloaded {where}. Give the model enough GPU memory (max_memory=...), or load it entirely on one "
+                'device (device_map={"": "cpu"} runs on the CPU through the default backend).'
+            )
+        if "cuda" in accelerators:
+            from ..cextension import is_available, library_path
+
+            if not is_available():
+                raise ImportError(
+                    f"bitsandbytes_kbit: device_map places k-bit layers on a GPU, but the CUDA library was not found "
+                    f"at {library_path()}; reinstall bitsandbytes-kbit with a CUDA toolkit, or load on the CPU"
+                )
+
+    def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        if dtype is None:
+            dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return dtype
+
+    def update_device_map(self, device_map):
+        if device_map is None:
+            device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
+        return device_map
+
+    def adjust_max_memory(self, max_memory: dict[str, int | str]) -> dict[str, int | str]:
+        # Headroom for the float weight being quantized and the repacked copy built at load.
+        return {key: val * 0.90 if isinstance(val, (int, float)) else val for key, val in max_memory.items()}
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized:
+            return False
+        prefix, _, tensor_name = param_name.rpartition(".")
+        if tensor_name != "weight":
+            return False
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            return False
+        return isinstance(module, LinearKbit)
+
+    def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
+        if self.param_needs_quantization(model, param_name):
+            # k bits per weight plus one E4M4 byte per block of 32.
+            return (self.quantization_config.bnb_kbit_bits + 8 / 32) / 8
+        return param.element_size()
+
+    def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, **kwargs):
+        config = self.quantization_config
+        if self.pre_quantized and config.modules_to_not_convert is not None:
+            skips = list(config.modules_to_not_convert)
+        else:
+            skips = self.get_modules_to_not_convert(
+                model, config.skip_modules, getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True
+            )
+        self.modules_to_not_convert = skips
+        replaced = replace_with_linear_kbit(model, config, skips, self.pre_quantized)
+        if not replaced:
+            logger.warning("bitsandbytes_kbit: no nn.Linear module was converted; the model stays in float")
+        config.modules_to_not_convert = sorted(skips)
+        model.config.quantization_config = config
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        for module in model.modules():
+            if isinstance(module, LinearKbit) and module.weight.device.type != "meta":
+                # quantize_() covers a weight the checkpoint lacked (initialized in float by transformers);
+                # prepare_for_inference() builds the repacked weight once, on the weight's device.
+                module.quantize_()
+                module.check_format()
+                module.prepare_for_inference()
+        return model
+
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def get_quantize_ops(self) -> KbitQuantize:
+        return KbitQuantize(self)
+
+    def _dequantize(self, model, dtype=None):
+        for name, module in list(model.named_modules()):
+            if isinstance(module, LinearKbit):
+                weight = module.dequantize(dtype or torch.float32)
+                linear = nn.Linear(
+                    module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+                )
+                linear.weight = nn.Parameter(weight, requires_grad=False)
+                if module.bias is not None:
+                    linear.bias = nn.Parameter(module.bias.detach().to(weight.dtype), requires_grad=False)
+                model.set_submodule(name, linear)
+        return model
+
+
+def _register_on_import() -> None:
+    # Importing this module means transformers is in use: make sure the method is registered (a
+    # registration started by the import hook while this module was half-imported ends here).
+    from . import register
+
+    register()
+
+
+_register_on_import()

@@ -1,0 +1,456 @@
+"""``LinearKbit``: a drop-in ``nn.Linear`` whose weight is stored in k bits (k = 2..5).
+
+What the module holds (all of it is in ``state_dict``, nothing else is needed to rebuild it):
+
+- ``weight``: ``nn.Parameter(requires_grad=False)``, int32, the flat packed words of
+  ``quantize_kbit(W_padded)`` (1-D, ``out_features * padded_in_features / 32 * k`` words). Before
+  quantization it is the ordinary float ``[out_features, in_features]`` weight of ``nn.Linear``.
+- ``absmax``: buffer, uint8 E4M4, one scale per block of 32 (``out_features * padded_in_features / 32``).
+- ``codebook``: buffer, float32, at most 2^k levels.
+- ``kbit_format``: buffer, int32 ``[format version, k, out_features, in_features, padded_in_features]``.
+
+The packed shape always differs from the float shape, so a k-bit checkpoint can never be read
+silently as a float ``nn.Linear``. ``padded_in_features`` is ``in_features`` rounded up to a
+multiple of 32: rows are zero-padded before quantization and the input is zero-padded in
+``forward``, so the pad columns contribute nothing.
+
+The tiled layout that ``kbit_gemm`` reads is built from the flat tensors with ``repack_kbit``
+the first time the module runs on a device with the fused kernel, then cached on the module
+(never in ``state_dict``); moving the module, quantizing or loading a state dict drops it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import functional as kbit_F
+from .._ops import BLOCKSIZE, SUPPORTED_K
+
+__all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
+
+# Version of the serialized layout described in the module docstring. Bump it when the meaning of
+# the stored tensors changes; the tiled (repacked) layout is not serialized and needs no bump.
+KBIT_FORMAT_VERSION = 1
+_FORMAT_FIELDS = ("format_version", "k", "out_features", "in_features", "padded_in_features")
+_GEMM_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def padded_features(in_features: int) -> int:
+    """in_features rounded up to a multiple of the quantization block (32)."""
+    return -(-in_features // BLOCKSIZE) * BLOCKSIZE
+
+
+def packed_sizes(k: int, out_features: int, in_features: int) -> tuple[int, int]:
+    """(int32 words of the packed weight, number of absmax bytes) of a k-bit [out, in] weight."""
+    blocks = out_features * padded_features(in_features) // BLOCKSIZE
+    return blocks * k, blocks
+
+
+@dataclass
+class ParamsKbit:
+    """A weight W[out_features, in_features] quantized to k bits, in the flat (checkpoint) format.
+
+    This is the parameter class of ``LinearKbit`` in the sense of bitsandbytes' ``Params4bit``, but
+    deliberately not a tensor subclass (torch.compile graph-breaks on those): the module keeps
+    ``packed`` as a plain int32 ``nn.Parameter`` and ``absmax`` / ``codebook`` as buffers, and
+    ``LinearKbit.quant_params`` returns them bundled in this object.
+    """
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    codebook: torch.Tensor
+    k: int
+    out_features: int
+    in_features: int
+
+    @property
+    def padded_in_features(self) -> int:
+        return padded_features(self.in_features)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, k: int = 4, codebook: None | str | torch.Tensor = "nf") -> ParamsKbit:
+        """Quantize a float weight [out_features, in_features] (rows zero-padded to a multiple of 32)."""
+        torch._check(
+            weight.dim() == 2,
+            lambda: f"ParamsKbit.quantize: weight has shape {tuple(weight.shape)}; expected 2-D [out, in]",
+        )
+        torch._check(
+            weight.is_floating_point(),
+            lambda: f"ParamsKbit.quantize: weight has dtype {weight.dtype}; expected a floating-point tensor",
+        )
+        out_features, in_features = weight.shape
+        W = weight.detach()
+        pad = padded_features(in_features) - in_features
+        if pad:
+            W = F.pad(W, (0, pad))
+        packed, absmax, cb = kbit_F.quantize_kbit(W.contiguous(), k=k, codebook=codebook)
+        return cls(packed, absmax, cb, k, out_features, in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out_features, in_features] (the row padding removed)."""
+        K = self.padded_in_features
+        W = kbit_F.dequantize_kbit(
+            self.packed, self.absmax, self.codebook, self.k, self.out_features * K, dtype=dtype
+        ).view(self.out_features, K)
+        return W[:, : self.in_features] if K != self.in_features else W
+
+
+def _dequantize_padded(packed, absmax, codebook, k: int, N: int, K_pad: int, dtype: torch.dtype) -> torch.Tensor:
+    return kbit_F.dequantize_kbit(packed, absmax, codebook, k, N * K_pad, dtype=dtype).view(N, K_pad)
+
+
+class _KbitLinearFunction(torch.autograd.Function):
+    """y = x @ W^T + bias with W in k bits. x is already padded to K_pad features and in the compute
+    dtype. Backward: grad_x = grad_y @ W from a temporary dequantized W (freed right after), grad_bias
+    = sum of grad_y; never a gradient for the packed weight, absmax or codebook."""
+
+    @staticmethod
+    def forward(ctx, x, packed, absmax, codebook, bias, tiled_packed, tiled_absmax, k: int, N: int, K_pad: int):
+        ctx.save_for_backward(packed, absmax, codebook)
+        ctx.kbit_shape = (k, N, K_pad)
+        if tiled_packed is not None:
+            # The fused kernel (float16 / bfloat16 only).
+            return kbit_F.kbit_gemm(x, tiled_packed, tiled_absmax, codebook, k, N, K_pad, bias=bias)
+        # Devices without the fused kernel, and float32 compute: the same arithmetic as the default
+        # backend's kbit_gemm (float32 weight, float32 accumulation, cast to x's dtype), read from
+        # the flat format so no repack is needed.
+        W = _dequantize_padded(packed, absmax, codebook, k, N, K_pad, torch.float32)
+        y = x.reshape(-1, K_pad).to(torch.float32) @ W.t()
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        packed, absmax, codebook = ctx.saved_tensors
+        k, N, K_pad = ctx.kbit_shape
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            W = _dequantize_padded(packed, absmax, codebook, k, N, K_pad, grad_y.dtype)
+            grad_x = grad_y @ W
+        if ctx.needs_input_grad[4]:
+            grad_bias = grad_y.reshape(-1, N).sum(0)
+        return grad_x, None, None, None, grad_bias, None, None, None, None, None
+
+
+class LinearKbit(nn.Linear):
+    """A linear layer with a k-bit blockwise-quantized weight (blocksize 32, E4M4 absmax, codebook).
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        k: bits per weight, 2..5.
+        codebook: ``"nf"`` (normal float, the default), ``"uniform"``, ``"fp4"`` (k = 4) or a float
+            tensor of at most 2^k levels.
+        compute_dtype: dtype of the matmul. None: the input's dtype. float16 / bfloat16 use the fused
+            ``kbit_gemm`` on CUDA; float32 dequantizes and multiplies. The output has the input's dtype.
+        device, dtype: where and in which float dtype the (not yet quantized) weight is created.
+
+    The weight is quantized by ``from_linear``, when a float weight is moved to a CUDA device
+    (``.cuda()`` / ``.to("cuda")``), by ``quantize_()``, or at the first forward. ``.to(dtype)``,
+    ``.half()`` etc. cast the bias only: the packed weight, absmax, codebook and format never change
+    dtype.
+    """
+
+    # Device types on which forward runs the fused kbit_gemm on the repacked (tiled) weight. Elsewhere
+    # the flat weight is dequantized and multiplied, which is what the default backend's kbit_gemm
+    # computes, without its repack. Per instance or per class; tests add "cpu" to run the tiled path.
+    fused_device_types: tuple[str, ...] = ("cuda",)
+    # Device types where moving a float weight (.to / .cuda) quantizes it, as bitsandbytes' Linear4bit does.
+    quantize_on_move_device_types: tuple[str, ...] = ("cuda",)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        k: int = 4,
+        codebook: str | torch.Tensor = "nf",
+        compute_dtype: torch.dtype | None = None,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ):
+        torch._check(k in SUPPORTED_K, lambda: f"LinearKbit: k={k} is not supported; expected one of {SUPPORTED_K}")
+        torch._check(
+            compute_dtype is None or compute_dtype in (torch.float16, torch.bfloat16, torch.float32),
+            lambda: (
+                f"LinearKbit: compute_dtype={compute_dtype} is not supported; expected None, torch.float16, "
+                "torch.bfloat16 or torch.float32"
+            ),
+        )
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.k = k
+        self.padded_in_features = padded_features(in_features)
+        self.compute_dtype = compute_dtype
+        self.weight.requires_grad_(False)
+        _, n_blocks = packed_sizes(k, out_features, in_features)
+        cb_device = self.weight.device
+        self.register_buffer("absmax", torch.zeros(n_blocks, dtype=torch.uint8, device=cb_device))
+        self.register_buffer("codebook", kbit_F.resolve_codebook(codebook, k, cb_device).clone())
+        self.register_buffer("kbit_format", self._format_tensor(cb_device))
+        self._tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        k: int = 4,
+        codebook: str | torch.Tensor = "nf",
+        compute_dtype: torch.dtype | None = None,
+    ) -> LinearKbit:
+        """A quantized copy of ``linear`` on the same device (the float weight is not kept)."""
+        torch._check(
+            isinstance(linear, nn.Linear),
+            lambda: f"LinearKbit.from_linear: linear is a {type(linear).__name__}; expected an nn.Linear",
+        )
+        weight = linear.weight.detach()
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            k=k,
+            codebook=codebook,
+            compute_dtype=compute_dtype,
+            device="meta",
+            dtype=weight.dtype,
+        )
+        module.codebook = kbit_F.resolve_codebook(codebook, k, weight.device).clone()
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        module.set_quant_params(ParamsKbit.quantize(weight, k=k, codebook=module.codebook))
+        return module
+
+    @classmethod
+    def empty_quantized(
+        cls,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        k: int = 4,
+        codebook: str | torch.Tensor = "nf",
+        compute_dtype: torch.dtype | None = None,
+        device=None,
+        dtype: torch.dtype | None = None,
+        absmax_dtype: torch.dtype = torch.uint8,
+    ) -> LinearKbit:
+        """A module whose tensors already have the quantized shapes and dtypes (packed weight and absmax
+        zeroed): the target of ``load_state_dict`` or, on ``meta``, of a pre-quantized checkpoint load.
+        device: default ``torch.get_default_device()``."""
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        module = cls(in_features, out_features, bias, k, codebook, compute_dtype, device="meta", dtype=dtype)
+        n_words, n_blocks = packed_sizes(k, out_features, in_features)
+        module.weight = nn.Parameter(torch.empty(n_words, dtype=torch.int32, device="meta"), requires_grad=False)
+        module.absmax = torch.empty(n_blocks, dtype=absmax_dtype, device="meta")
+        if device.type != "meta":
+            module = module.to_empty(device=device)
+            with torch.no_grad():
+                for t in (module.weight, module.absmax, module.bias):
+                    if t is not None:
+                        t.zero_()
+                module.codebook.copy_(kbit_F.resolve_codebook(codebook, k, device))
+                module.kbit_format.copy_(module._format_tensor(device))
+        return module
+
+    def _format_tensor(self, device) -> torch.Tensor:
+        values = (KBIT_FORMAT_VERSION, self.k, self.out_features, self.in_features, self.padded_in_features)
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    # ------------------------------------------------------------------ quantized state
+
+    @property
+    def is_quantized(self) -> bool:
+        return not self.weight.is_floating_point()
+
+    @property
+    def quant_params(self) -> ParamsKbit:
+        """The flat quantized weight (packed, absmax, codebook, k, shape)."""
+        torch._check(self.is_quantized, lambda: "LinearKbit.quant_params: the weight is not quantized yet")
+        return ParamsKbit(self.weight, self.absmax, self.codebook, self.k, self.out_features, self.in_features)
+
+    def set_quant_params(self, params: ParamsKbit) -> None:
+        """Replace the weight by an already-quantized one (same shape; k and codebook may change)."""
+        torch._check(
+            (params.out_features, params.in_features) == (self.out_features, self.in_features),
+            lambda: (
+                f"LinearKbit.set_quant_params: weight shape {(params.out_features, params.in_features)} does "
+                f"not match the layer's {(self.out_features, self.in_features)}"
+            ),
+        )
+        self.k = params.k
+        self.weight = nn.Parameter(params.packed, requires_grad=False)
+        self.absmax = params.absmax
+        self.codebook = params.codebook
+        self.kbit_format = self._format_tensor(params.packed.device)
+        self._tiled = None
+
+    @torch.no_grad()
+    def quantize_(self) -> LinearKbit:
+        """Quantize the float weight in place (no-op if it is already quantized)."""
+        if not self.is_quantized:
+            torch._check(
+                self.weight.device.type != "meta",
+                lambda: "LinearKbit.quantize_: the weight is on the meta device; load or materialize it first",
+            )
+            codebook = self.codebook.to(self.weight.device)
+            self.set_quant_params(ParamsKbit.quantize(self.weight, k=self.k, codebook=codebook))
+        return self
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight [out_features, in_features] (a new tensor; the module keeps the packed one).
+        dtype: default compute_dtype, else float32."""
+        dtype = dtype or self.compute_dtype or torch.float32
+        if not self.is_quantized:
+            return self.weight.detach().to(dtype)
+        return self.quant_params.dequantize(dtype)
+
+    def check_format(self) -> None:
+        """Raise if ``kbit_format`` (as loaded) disagrees with this module (version, k, shape)."""
+        if not self.is_quantized or self.kbit_format.device.type == "meta":
+            return
+        got = dict(zip(_FORMAT_FIELDS, self.kbit_format.tolist()))
+        want = dict(zip(_FORMAT_FIELDS, self._format_tensor("cpu").tolist()))
+        if got["format_version"] > KBIT_FORMAT_VERSION:
+            raise ValueError(
+                f"LinearKbit: the checkpoint has k-bit format version {got['format_version']}; this bitsandbytes-kbit "
+                f"reads versions up to {KBIT_FORMAT_VERSION}: upgrade bitsandbytes-kbit"
+            )
+        if got != want:
+            raise ValueError(f"LinearKbit: the stored k-bit format {got} does not match the layer ({want})")
+        n_words, n_blocks = packed_sizes(self.k, self.out_features, self.in_features)
+        if self.weight.numel() != n_words or self.absmax.numel() != n_blocks:
+            raise ValueError(
+                f"LinearKbit: packed weight has {self.weight.numel()} words and absmax {self.absmax.numel()} entries; "
+                f"expected {n_words} and {n_blocks} for k={self.k}, shape {(self.out_features, self.in_features)}"
+            )
+
+    # ------------------------------------------------------------------ dtype guard, device moves, loading
+
+    def _storage_tensors(self) -> list[torch.Tensor]:
+        tensors = [self.absmax, self.codebook, self.kbit_format]
+        if self.is_quantized:
+            tensors.append(self.weight)
+        return tensors
+
+    def _apply(self, fn, recurse: bool = True):
+        # nn.Module.to(dtype), .half(), .bfloat16(), .type(...) all come through here: let them move
+        # the packed weight, absmax, codebook and format between devices but never change their dtype.
+        keep = {id(t) for t in self._storage_tensors()}
+        was_on = self.weight.device.type
+
+        def guarded(t):
+            out = fn(t)
+            if id(t) in keep and out.dtype != t.dtype:
+                out = t.to(device=out.device)
+            return out
+
+        result = super()._apply(guarded, recurse)
+        self._tiled = None
+        # A float weight moved to a GPU is quantized there (as bitsandbytes' Linear4bit does). Not after
+        # to_empty() from meta: that weight holds no values yet.
+        if (
+            not self.is_quantized
+            and self.weight.device.type in self.quantize_on_move_device_types
+            and was_on != "meta"
+        ):
+            self.quantize_()
+        return result
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        weight = state_dict.get(prefix + "weight")
+        fmt = state_dict.get(prefix + "kbit_format")
+        if weight is not None and not weight.is_floating_point() and fmt is not None:
+            # A k-bit state: take k from it and give our tensors its shapes and dtypes, so that the
+            # default loading copies into them (bit-identical), whatever state this module was in.
+            fields = dict(zip(_FORMAT_FIELDS, fmt.tolist()))
+            if fields["format_version"] > KBIT_FORMAT_VERSION:
+                error_msgs.append(
+                    f"{prefix}kbit_format: format version {fields['format_version']} is newer than this "
+                    f"bitsandbytes-kbit reads ({KBIT_FORMAT_VERSION})"
+                )
+                return
+            if (fields["out_features"], fields["in_features"]) != (self.out_features, self.in_features):
+                error_msgs.append(
+                    f"{prefix}kbit_format: the stored weight has shape {(fields['out_features'], fields['in_features'])}; "
+                    f"this layer has {(self.out_features, self.in_features)}"
+                )
+                return
+            self.k = int(fields["k"])
+            dev = self.weight.device
+            absmax = state_dict.get(prefix + "absmax", self.absmax)
+            codebook = state_dict.get(prefix + "codebook", self.codebook)
+            with torch.no_grad():
+                self.weight = nn.Parameter(torch.empty_like(weight, device=dev), requires_grad=False)
+                self.absmax = torch.empty_like(absmax, device=dev)
+                self.codebook = torch.empty_like(codebook, device=dev)
+                self.kbit_format = torch.empty_like(fmt, device=dev)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        self._tiled = None
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_tiled", None)
+
+    # ------------------------------------------------------------------ forward
+
+    def _tiled_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The repacked weight for kbit_gemm, built once per (weight, device) and cached."""
+        tiled = self._tiled
+        if tiled is None or tiled[0] is not self.weight:
+            with torch.no_grad():
+                B_packed, B_absmax = kbit_F.repack_kbit(
+                    self.weight, self.absmax, self.k, self.out_features, self.padded_in_features
+                )
+            tiled = (self.weight, B_packed, B_absmax)
+            self._tiled = tiled
+        return tiled[1], tiled[2]
+
+    def prepare_for_inference(self) -> LinearKbit:
+        """Quantize if needed and build the repacked weight now (instead of at the first forward)."""
+        self.quantize_()
+        if self.weight.device.type in self.fused_device_types:
+            self._tiled_weight()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_quantized:
+            self.quantize_()
+        if x.shape[-1] != self.in_features:  # a plain check: Dynamo folds it (a torch._check closure breaks the graph)
+            raise ValueError(f"LinearKbit: input has {x.shape[-1]} features; expected in_features={self.in_features}")
+        compute_dtype = self.compute_dtype or x.dtype
+        h = x.to(compute_dtype)
+        pad = self.padded_in_features - self.in_features
+        if pad:
+            h = F.pad(h, (0, pad))
+        bias = self.bias.to(compute_dtype) if self.bias is not None else None
+        tiled_packed = tiled_absmax = None
+        if compute_dtype in _GEMM_DTYPES and h.device.type in self.fused_device_types:
+            tiled_packed, tiled_absmax = self._tiled_weight()
+        y = _KbitLinearFunction.apply(
+            h,
+            self.weight,
+            self.absmax,
+            self.codebook,
+            bias,
+            tiled_packed,
+            tiled_absmax,
+            self.k,
+            self.out_features,
+            self.padded_in_features,
+        )
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        cd = f", compute_dtype={self.compute_dtype}" if self.compute_dtype is not None else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"k={self.k}, codebook_size={self.codebook.numel()}{cd}"
+        )

@@ -1,0 +1,343 @@
+// kbit_gemm.cu: instantiations, host launchers, the dispatch function and the C ABI of the fused
+// k-bit GEMM. The design (tiles, layout, pipeline, split-K) is in the block atop kbit_gemm.cuh.
+#include "kbit_gemm.cuh"
+
+#include <cstdio>
+#include <cstring>
+
+namespace kbit {
+
+// ---------------------------------------------------------------------------------------------
+// Error reporting: launchers return after the first failure and keep its message here.
+// ---------------------------------------------------------------------------------------------
+static thread_local char g_last_error[256] = "";
+
+static void set_error(const char* what, const char* detail) {
+    snprintf(g_last_error, sizeof(g_last_error), "%s: %s", what, detail);
+}
+
+static bool check_launch(const char* what) {
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+        set_error(what, cudaGetErrorString(err));
+        return false;
+    }
+    return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Config table. One row = one kernel shape (instantiated for K_BITS 2..5 x fp16/bf16 x u8/fp16 absmax).
+//   id  MB MT WARPS_N WARPS_K   reason
+// ---------------------------------------------------------------------------------------------
+#define KBIT_CONFIG_TABLE(X)                                                                                         \
+    X(0, 1, 2, 2, 4) /* M <= 4: one token tile, A in the ring, 2 units per warp (2.75 KB per k-step at k=4)  */ \
+    X(1, 2, 2, 2, 4) /* 4 < M <= 16: 2 token tiles share each dequantized fragment, A in registers         */ \
+    X(2, 4, 2, 4, 1) /* 16 < M <= WIDE_MIN_M: 4 token tiles (best of the three at M = 64)                    */
+// config 3 = KbitWideConfig (8 token tiles per warp, CTA-shared A ring, 256 x 64 CTA tile): M > WIDE_MIN_M
+
+constexpr int NUM_CONFIGS = 4;
+constexpr int WIDE_CONFIG = 3;
+
+struct ConfigInfo {
+    int mb, mt, warps_n, warps_k;
+    int tile_m() const { return 8 * mb; }
+    int tile_n() const { return UNIT_ROWS * mt * warps_n; }
+    bool wide() const { return mb == 8; }
+    // = KbitGemmConfig::CTAS_PER_SM; the wide config's 226 KB takes the SM alone
+    int ctas_per_sm() const { return wide() || warps_n * warps_k >= 16 ? 1 : 2; }
+};
+
+static ConfigInfo config_info(int id) {
+    if (id == WIDE_CONFIG) return ConfigInfo{8, 2, 8, 1};
+    switch (id) {
+#define KBIT_INFO(ID, MB, MT, WN, WK)                                                                                \
+    case ID: return ConfigInfo{MB, MT, WN, WK};
+        KBIT_CONFIG_TABLE(KBIT_INFO)
+#undef KBIT_INFO
+    }
+    return ConfigInfo{1, 1, 1, 1};
+}
+
+static int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
+
+// device facts come from the device, cached per device ordinal
+static int device_smem_optin() {
+    static int s_optin[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 64) dev = 63;
+    if (s_optin[dev] == 0) cudaDeviceGetAttribute(&s_optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    return s_optin[dev];
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch: the ONE place that maps a problem to a kernel config and a split count.
+// ---------------------------------------------------------------------------------------------
+// Thresholds (first guesses from the design estimates; to be re-derived from the harness table):
+constexpr int SMALL_M_MAX = 4;                   // A in the ring (config 0/3); H200 M=8: config 1 24.4 us vs 0 27.7 us
+constexpr int MID_M_MAX = 16;                    // two n8 token tiles
+constexpr int WIDE_MIN_M = 32;                   // above: the wide path (config 3) on GPUs with 226 KB smem/CTA
+constexpr int SPLIT_K_MAX_M = 64;                // split-K only for weight-streaming sizes (small workspace)
+constexpr int MIN_STEPS_PER_WARP = 2;            // a warp streams at least 2 k-steps of 128
+constexpr int MAX_SPLITS = 16;
+constexpr size_t MAX_WORKSPACE_BYTES = 8u << 20; // worst case any dispatch asks for (wide config, M <= 64)
+// The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
+// (A counter region sized per call let one call's partial sums land where a later call with more
+// CTAs keeps counters: workspaces are reused, counters must read 0. Seen on H200: M=17 N=14336 after
+// larger calls left tail tiles unwritten.)
+constexpr size_t COUNTER_REGION_BYTES = 256u << 10;
+constexpr long long MAX_SPLIT_CTAS = COUNTER_REGION_BYTES / sizeof(int);
+
+struct Dispatch {
+    int config;
+    int k_splits;
+};
+
+static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_splits) {
+    if (k_splits <= 1) return 0;
+    const long long n_ctas = ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n);
+    const long long ctas = n_ctas * ceil_div(M, c.tile_m());
+    return COUNTER_REGION_BYTES + (size_t)k_splits * ctas * c.tile_m() * c.tile_n() * 4;
+}
+
+static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_count) {
+    if (M > SPLIT_K_MAX_M) return 1;
+    const int k_steps = ceil_div(K_dim, UNIT_K);
+    const long long n_ctas = ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n);
+    const long long ctas = n_ctas * ceil_div(M, c.tile_m());
+    const long long target = (long long)c.ctas_per_sm() * (sm_count > 0 ? sm_count : 1);
+    if (ctas >= target || ctas > MAX_SPLIT_CTAS) return 1;
+    int splits = (int)(target / ctas); // floor: all CTAs resident in one wave (a second, partial wave costs ~2x)
+    const int max_by_k = k_steps / (c.warps_k * MIN_STEPS_PER_WARP);
+    if (splits > max_by_k) splits = max_by_k;
+    if (splits > MAX_SPLITS) splits = MAX_SPLITS;
+    while (splits > 1 && workspace_bytes_for(c, M, N, splits) > MAX_WORKSPACE_BYTES + COUNTER_REGION_BYTES) splits--;
+    return splits < 1 ? 1 : splits;
+}
+
+static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
+    (void)k_bits; // every config exists for every k; measured best config did not depend on k (H200 sweep)
+    int config;
+    if (M <= SMALL_M_MAX)
+        config = 0;
+    else if (M <= MID_M_MAX)
+        config = 1;
+    else if (M > WIDE_MIN_M && device_smem_optin() >= 226 * 1024 &&
+             (M <= SPLIT_K_MAX_M || 3LL * ceil_div(ceil_div(N, UNIT_ROWS), 16) * ceil_div(M, 64) >= sm_count))
+        // M <= 64: split-K fills the GPU. Larger M does not split: it needs >= a third of a wave of
+        // 256 x 64 tiles. H200, k = 4: N=4096 K=4096 M=256 (64 CTAs) wide 62.3 us vs config 2 78.7;
+        // N=14336 K=4096 M=128 63.7 vs 162.4; M=64 N=14336 K=4096 (no split) 61.8 vs 80.7.
+        config = WIDE_CONFIG;
+    else
+        config = 2;
+    return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------------
+template <int K_BITS, typename AbsT>
+static void repack(const int* packed_flat, const void* absmax_flat, int* B_packed, void* B_absmax, int N, int K_dim,
+                   cudaStream_t stream) {
+    using F = TiledFormat<K_BITS>;
+    if (N < 1 || K_dim < 32 || K_dim % 32 != 0) {
+        char d[96];
+        snprintf(d, sizeof(d), "N=%d must be >= 1 and K_dim=%d a positive multiple of 32", N, K_dim);
+        set_error("ckbit_repack", d);
+        return;
+    }
+    const int k_steps = ceil_div(K_dim, UNIT_K);
+    const long long units = (long long)ceil_div(N, UNIT_ROWS) * k_steps;
+    const long long words = units * F::UNIT_WORDS;
+    const long long absn = units * UNIT_ABSMAX;
+    kbit_repack_words_kernel<K_BITS><<<(unsigned)((words + 255) / 256), 256, 0, stream>>>(
+        reinterpret_cast<const uint32_t*>(packed_flat), reinterpret_cast<uint32_t*>(B_packed), N, K_dim, k_steps, words);
+    if (!check_launch("ckbit_repack words")) return;
+    kbit_repack_absmax_kernel<AbsT><<<(unsigned)((absn + 255) / 256), 256, 0, stream>>>(
+        reinterpret_cast<const AbsT*>(absmax_flat), reinterpret_cast<AbsT*>(B_absmax), N, K_dim, k_steps, absn);
+    check_launch("ckbit_repack absmax");
+}
+
+template <class Cfg, typename T>
+static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
+    if (Cfg::SMEM_BYTES_MAX > device_smem_optin()) {
+        set_error("ckbit_gemm", "this config needs more shared memory per block than the device allows");
+        return;
+    }
+    static bool s_attr_set[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 64 && !s_attr_set[dev]) {
+        if (cudaFuncSetAttribute(kbit_gemm_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 Cfg::SMEM_BYTES_MAX) != cudaSuccess) {
+            check_launch("ckbit_gemm set smem attribute");
+            return;
+        }
+        s_attr_set[dev] = true;
+    }
+    const int n_ctas = ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N);
+    const int m_tiles = ceil_div(p.M, Cfg::TILE_M);
+    p.k_splits = k_splits;
+    p.ks_per_split = ceil_div(p.k_steps, k_splits);
+    const dim3 grid(n_ctas, k_splits, m_tiles);
+    p.a_rows = p.M < Cfg::TILE_M ? p.M : Cfg::TILE_M;
+    kbit_gemm_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::smem_bytes(p.a_rows), stream>>>(p);
+    check_launch("ckbit_gemm");
+}
+
+template <class Cfg, typename T> static void launch_wide(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
+    if (Cfg::WIDE_SMEM_BYTES > device_smem_optin()) {
+        set_error("ckbit_gemm", "the wide config needs more shared memory per block than the device allows");
+        return;
+    }
+    static bool s_attr_set[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 64 && !s_attr_set[dev]) {
+        if (cudaFuncSetAttribute(kbit_gemm_wide_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 Cfg::WIDE_SMEM_BYTES) != cudaSuccess) {
+            check_launch("ckbit_gemm set smem attribute");
+            return;
+        }
+        s_attr_set[dev] = true;
+    }
+    p.k_splits = k_splits;
+    p.ks_per_split = ceil_div(p.k_steps, k_splits);
+    p.a_rows = Cfg::TILE_M;
+    const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N), k_splits, ceil_div(p.M, Cfg::TILE_M));
+    kbit_gemm_wide_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::WIDE_SMEM_BYTES, stream>>>(p);
+    check_launch("ckbit_gemm wide");
+}
+
+template <int K_BITS, typename T, bool ABS_U8>
+static void gemm(const void* A, const int* B_packed, const void* B_absmax, const float* codebook, int codebook_len,
+                 const void* bias, void* C, int M, int N, int K_dim, int lda, void* workspace, size_t workspace_bytes,
+                 int sm_count, int config_override, cudaStream_t stream) {
+    g_last_error[0] = 0;
+    if (M < 1 || N < 1 || K_dim < 32 || K_dim % 32 != 0 || lda < K_dim) {
+        char d[160];
+        snprintf(d, sizeof(d), "M=%d, N=%d must be >= 1, K_dim=%d a positive multiple of 32, lda=%d >= K_dim", M, N,
+                 K_dim, lda);
+        set_error("ckbit_gemm", d);
+        return;
+    }
+    if (M > 65535 * 8 * 4) {
+        set_error("ckbit_gemm", "M too large for the grid's z dimension");
+        return;
+    }
+    Dispatch d = select_config(M, N, K_dim, K_BITS, sm_count);
+    if (config_override >= 0) {
+        if (config_override >= NUM_CONFIGS) {
+            set_error("ckbit_gemm", "config_override out of range (see ckbit_gemm_num_configs)");
+            return;
+        }
+        d.config = config_override;
+        d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+    }
+    const ConfigInfo ci = config_info(d.config);
+    // fall back to fewer splits (finally none) when the caller's workspace is too small
+    while (d.k_splits > 1 && workspace_bytes_for(ci, M, N, d.k_splits) > workspace_bytes) d.k_splits--;
+    if (d.k_splits > 1 && workspace == nullptr) d.k_splits = 1;
+
+    KbitGemmParams p;
+    p.A = A;
+    p.B = reinterpret_cast<const uint32_t*>(B_packed);
+    p.B_absmax = B_absmax;
+    p.codebook = codebook;
+    p.codebook_len = codebook_len;
+    p.bias = bias;
+    p.C = C;
+    p.M = M;
+    p.N = N;
+    p.K_dim = K_dim;
+    p.lda = lda;
+    p.k_steps = ceil_div(K_dim, UNIT_K);
+    p.n16_tiles = ceil_div(N, UNIT_ROWS);
+    p.a_vec_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
+    if (d.k_splits > 1) {
+        p.counters = reinterpret_cast<int*>(workspace);  // [ctas], ctas <= MAX_SPLIT_CTAS
+        p.partials = reinterpret_cast<float*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES);
+    } else {
+        p.counters = nullptr;
+        p.partials = nullptr;
+    }
+    switch (d.config) {
+#define KBIT_LAUNCH(ID, MB, MT, WN, WK)                                                                              \
+    case ID: launch_gemm<KbitGemmConfig<K_BITS, MB, MT, WN, WK, ABS_U8>, T>(p, d.k_splits, stream); break;
+        KBIT_CONFIG_TABLE(KBIT_LAUNCH)
+#undef KBIT_LAUNCH
+    case WIDE_CONFIG: launch_wide<KbitWideConfig<K_BITS, ABS_U8>, T>(p, d.k_splits, stream); break;
+    }
+}
+
+static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count) {
+    size_t worst = 0;
+    // the dispatcher's choice, and every override (so a test forcing a config gets its splits too)
+    for (int c = 0; c < NUM_CONFIGS; c++) {
+        const size_t b = workspace_bytes_for(config_info(c), M, N, choose_splits(config_info(c), M, N, K_dim, sm_count));
+        if (b > worst) worst = b;
+    }
+    (void)k_bits;
+    return worst;
+}
+
+} // namespace kbit
+
+// =============================================================================================
+// C ABI
+// =============================================================================================
+extern "C" {
+
+#define KBIT_REPACK_ENTRY(K, SUFFIX, ABST)                                                                           \
+    int ckbit_repack_k##K##_##SUFFIX(const int* packed_flat, const void* absmax_flat, int* B_packed,                \
+                                     void* B_absmax, int N, int K_dim, cudaStream_t stream) {                       \
+        kbit::g_last_error[0] = 0;                                                                                   \
+        kbit::repack<K, ABST>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);                       \
+        return kbit::g_last_error[0] != 0; /* 1: see ckbit_last_error */                                              \
+    }
+#define KBIT_REPACK_ENTRIES(K) KBIT_REPACK_ENTRY(K, u8abs, uint8_t) KBIT_REPACK_ENTRY(K, fp16abs, uint16_t)
+KBIT_REPACK_ENTRIES(2)
+KBIT_REPACK_ENTRIES(3)
+KBIT_REPACK_ENTRIES(4)
+KBIT_REPACK_ENTRIES(5)
+
+#define KBIT_GEMM_ENTRY(DT, T, ABS, ABS_U8, K)                                                                       \
+    int ckbit_gemm_##DT##_##ABS##_k##K(const void* A, const int* B_packed, const void* B_absmax,                    \
+                                        const float* codebook, int codebook_len, const void* bias, void* C, int M,   \
+                                        int N, int K_dim, int lda, void* workspace, size_t workspace_bytes,          \
+                                        int sm_count, int config_override, cudaStream_t stream) {                    \
+        kbit::g_last_error[0] = 0;                                                                                   \
+        kbit::gemm<K, T, ABS_U8>(A, B_packed, B_absmax, codebook, codebook_len, bias, C, M, N, K_dim, lda,          \
+                                 workspace, workspace_bytes, sm_count, config_override, stream);                    \
+        return kbit::g_last_error[0] != 0; /* 1: see ckbit_last_error */                                              \
+    }
+#define KBIT_GEMM_ENTRIES(K)                                                                                         \
+    KBIT_GEMM_ENTRY(fp16, __half, u8abs, true, K)                                                                    \
+    KBIT_GEMM_ENTRY(fp16, __half, fp16abs, false, K)                                                                 \
+    KBIT_GEMM_ENTRY(bf16, __nv_bfloat16, u8abs, true, K)                                                             \
+    KBIT_GEMM_ENTRY(bf16, __nv_bfloat16, fp16abs, false, K)
+KBIT_GEMM_ENTRIES(2)
+KBIT_GEMM_ENTRIES(3)
+KBIT_GEMM_ENTRIES(4)
+KBIT_GEMM_ENTRIES(5)
+
+size_t ckbit_gemm_workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count) {
+    return kbit::workspace_bytes(M, N, K_dim, k_bits, sm_count);
+}
+
+int ckbit_gemm_num_configs(void) { return kbit::NUM_CONFIGS; }
+
+size_t ckbit_tiled_words(int k_bits, int N, int K_dim) {
+    const size_t units = (size_t)((N + kbit::UNIT_ROWS - 1) / kbit::UNIT_ROWS) * ((K_dim + kbit::UNIT_K - 1) / kbit::UNIT_K);
+    return units * 64 * (size_t)k_bits;
+}
+
+size_t ckbit_tiled_absmax(int N, int K_dim) {
+    const size_t units = (size_t)((N + kbit::UNIT_ROWS - 1) / kbit::UNIT_ROWS) * ((K_dim + kbit::UNIT_K - 1) / kbit::UNIT_K);
+    return units * kbit::UNIT_ABSMAX;
+}
+
+const char* ckbit_last_error(void) { return kbit::g_last_error; }
+
+} // extern "C"

@@ -1,0 +1,1037 @@
+// kbit_gemm.cuh: fused k-bit dequantize + GEMM (device code only).
+//
+// ============================================================================================
+// DESIGN
+// ============================================================================================
+// 1. What is computed
+//    C[M, N] = A[M, K_dim] @ W[N, K_dim]^T (+ bias[N]); A, C, bias fp16 or bf16 (one dtype),
+//    fp32 accumulation. W is k-bit (K_BITS = 2..5): 32-element blocks along K_dim, one absmax per
+//    block (E4M4 uint8 or fp16), codebook float32 of L <= 2^K_BITS entries. No buffer may alias C.
+//
+// 2. Tile hierarchy ("swap AB": the WEIGHT is the MMA A-operand, the activations the B-operand)
+//    mma.sync.m16n8k16: m16 = 16 rows n of W, n8 = 8 tokens m of A, k16 = 16 of K_dim.
+//    D[n16 x m8] = Wdeq[n16 x k16] * A^T[k16 x m8]: at M = 1 seven of the 8 token columns are zero,
+//    but the tensor core makes the FMAs free; the integer/LDS work per weight is what bounds M = 1.
+//      unit  = 16 rows n x 128 k (a "k-step" of 4 quantization blocks): the repack granule
+//      warp  = MT units along n (MT x 16 rows) x MB n8 token tiles, streaming its own k range
+//      CTA   = WARPS_N x WARPS_K warps: along n different rows (same A), along k contiguous chunks of
+//              the CTA's k-steps, reduced in shared memory at the end
+//      grid  = (n_ctas, k_splits, m_tiles); k_splits > 1 reduces through the workspace (section 5)
+//    Configs (kbit_gemm.cu, one table): 0 = MB 1 (M <= 4), 1 = MB 2 (M <= 16), 2 = MB 4 (M <= 32 or
+//    too few wide tiles): MT = 2, 8 warps (2 x 4; config 2: 4 x 1 warps of MB 4) and
+//    3 = "wide" (M > 32): MB 8, MT 2, 8 warps x 1, CTA tile 256 n x 64 tokens, A shared (section 4).
+//          k:  0         128        256   ...      K_pad
+//        n 0   +----------+----------+----
+//              | unit     | unit     |      config 0 CTA: rows 0..63 = warps wn 0,1 (32 rows each);
+//          16  +----------+----------+          k-steps split in 4 contiguous chunks (wk 0..3)
+//              | unit     | unit     |      per warp and k-step: MT x 8 MMAs per token tile
+//
+// 3. Fragment ownership (lane = 4*g + t, g = lane/4, t = lane%4)
+//    A-operand (weights) a0..a3 = half2 at (row g, slots 2t,2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)
+//    B-operand (acts)    b0, b1 = half2 at (slots 2t,2t+1 ; token g), (slots 2t+8,2t+9 ; token g)
+//    D                   d0..d3 = (n g, tok 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+//    The contraction order is free, so slots are permuted within each 32-block: k16 step s of a
+//    block maps slots {2t,2t+1} -> real k 8t+4s+{0,1} and {2t+8,2t+9} -> 8t+4s+{2,3}. A lane thus
+//    needs real k 8t..8t+7 of a block: ONE 16-byte load of A per (token, block), and the weight
+//    elements it dequantizes are 4 "pairs" (k 8t+2p, 8t+2p+1), p = 0..3, of rows g and g+8.
+//    Dequant of a pair: e = LUT index (2*K_BITS bits), one LDS.32 of a half2 {cb[i0]*F, cb[i1]*F}
+//    from a LUT duplicated LUT_COPIES times (copy = lane % LUT_COPIES: bank-conflict free for 32
+//    copies; k = 5 has 1024 entries and 4 copies), then one HMUL2 by the block scale {s, s}.
+//    The repack (TiledFormat) stores each lane's fields so that e is one shift + one LOP3 (k = 2, 4)
+//    or two shifts + two LOP3 (k = 3, 5: a 2-bits-per-element "lo" field + a 1-bit "hi" field).
+//    E4M4 scales need no decode arithmetic: the bits (code << 6) ARE an fp16 equal to absmax / 16
+//    (code << 3: a bf16 equal to absmax * 2^-116, subnormals included); F = 16 (or 2^116) is
+//    folded into the LUT. fp16 absmax: F = 1 (bf16 compute converts the scale through fp32).
+//
+// 4. Pipeline
+//    Configs 0-2 (per warp, no CTA barrier in the main loop): each lane cp.async-copies exactly the
+//    weight words and absmax it will itself read into its warp's private ring (depth chosen at
+//    launch, 2..6 stages, from the smem left after the LUT), so cp.async.wait_group alone orders it.
+//    stages-1 k-steps are in flight while one is dequantized. MB = 1: the A rows of the k-step travel
+//    in the same ring stage (each lane copies the 16-byte pieces it reads; k >= K_dim zero-filled);
+//    MB >= 2: A is loaded into registers one k-step ahead (L1 shared by the WARPS_N warps).
+//    Wide config: the weight rings as above, plus ONE A ring per CTA ([64 tokens][128 k], rows padded
+//    to 320 B so the LDS.128 fragment reads are conflict-free), one __syncthreads per k-step
+//    (wait step i, barrier, refill the slot of step i-1, compute step i). Each dequantized fragment
+//    feeds 8 MMAs.
+//
+// 5. Work decomposition and split-K (configs 0-2, M <= 64 only; the wide config never splits)
+//    k-steps of grid split s: [s*ks_per_split, ...); inside: WARPS_K contiguous chunks.
+//    Example K_pad = 4096 (32 k-steps), k_splits = 2, WARPS_K = 4: split 0 = steps 0..15, warp
+//    wk = 0..3 gets steps 4wk..4wk+3 of it. Epilogue: warps wk > 0 write fp32 partials to smem, warp
+//    wk = 0 adds them in wk order; with k_splits = 1 it stores C (+bias). With k_splits > 1 every
+//    split writes its partial tile to workspace slot [tile][split], __threadfence, atomicAdd on the
+//    tile's counter; the last arriving CTA sums the slots in split order 0..k_splits-1 (bitwise
+//    deterministic, independent of arrival order), stores C and resets the counter to 0. The
+//    counters sit at the start of the workspace, which must be zeroed ONCE at allocation; one
+//    workspace must not be used by two GEMMs running concurrently (different streams).
+//    k_splits = floor(CTA slots / CTAs) (one wave), capped by k-steps and the workspace size.
+//
+// 6. Invariants: K_dim % 32 == 0, M, N >= 1, lda >= K_dim (launcher); tiled N padded to 16 and K to
+//    128 with zero absmax (repack); A beyond K_dim is zero-filled, A rows >= M and weight rows >= N
+//    only ever feed output elements that are not stored; B_packed 16-byte aligned (cudaMalloc);
+//    A may have any alignment / lda (16-bit load fallback). Smem: configs 0-2 <= 112 KB (two CTAs
+//    per SM on sm_80/sm_90), wide 226 KB (sm_90 only: the dispatcher checks the device opt-in limit).
+//
+// 7. Why (estimates first, then measurements; tables in dev/gemm_harness/NOTES.md)
+//    M = 1 on H100: ~3.35 TB/s HBM vs ~132 SMs x 4 x 32 lanes x 1.75 GHz = 30e12 lane-ops/s; k = 4
+//    at 0.53 B/weight -> 6.3e12 weights/s -> ~4.7 lane-ops per weight. Per-element bit-plane
+//    extraction (K_BITS x (shift, and, or)) + shfl = ~14 ops/weight: cannot reach 60%. Pair LUT +
+//    HMUL2 = ~2 ops/weight, leaving room for loads/addressing.
+//    Measured (H200, copy BW 3.97 TB/s, fp16, E4M4, k = 4, M = 1): 40% of the byte floor at
+//    N=14336 K=4096 (19.6 us), 60% at N=8192 K=28672 (51.9 us); 1.6-2.2x faster than cuBLAS fp16.
+//    ncu (N=14336 K=4096): ~0.55 IPC per SMSP, 4.5 lane-instructions per weight (SASS: ~5.6 per
+//    pair in the dequant loop), stalls wait / long scoreboard / not selected, 63% SM-active time
+//    (224 CTAs on 264 slots, launch + pipeline fill): per-SM issue and wave quantization bound it.
+//    Measured and rejected:
+//    - A through registers one k-step ahead for M <= 4: same speed as A in the ring (20.5 us); the
+//      ring needs fewer registers and exposes no global latency, kept. For M = 16 per-warp A copies
+//      cost a CTA per SM (40.9 vs 25.7 us), so MB >= 2 keeps A in registers.
+//    - recomputing unit addresses per k-step: ~40% of the loop's instructions; pointer increments.
+//    - a byte-indexed 64 KB LUT (one PRMT per pair address instead of shift + LOP3) in 16-warp CTAs:
+//      fewer instructions, not faster (N=14336 K=4096: 23.6 vs 20.8 us, 1.7 waves at one CTA per SM;
+//      N=8192 K=28672: 50.0 vs 52.2 us). Removed.
+//    - 32-row CTAs for small weights: no gain (N=4096 K=4096: 11.9 vs 10.9 us). Removed.
+//    - M >= 128 on config 2 (4 token tiles, A in registers): 0.13x cuBLAS; the wide config is 2.5x
+//      faster (N=14336 K=4096 M=4096: 1672 vs 4086 us) but still 0.37x cuBLAS: a dequantize-to-smem
+//      + ldmatrix tile kernel (or wgmma) is the open item for large M.
+//
+// Naming: g_ global, s_ shared, r_ registers; frag_a (weights), frag_b (acts), acc.
+// ============================================================================================
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <type_traits>
+
+namespace kbit {
+
+// ---------------------------------------------------------------------------------------------
+// Tiled layout (owned here; mirrored by bitsandbytes_kbit/backends/default/tiled_layout.py)
+// ---------------------------------------------------------------------------------------------
+constexpr int BLOCK_ELEMS = 32;                      // quantization block along K_dim
+constexpr int UNIT_ROWS = 16;                        // rows n per unit (= MMA m16)
+constexpr int UNIT_K = 128;                          // k per unit (one k-step)
+constexpr int UNIT_BLOCKS = UNIT_K / BLOCK_ELEMS;    // 4 quantization blocks per unit row
+constexpr int UNIT_ABSMAX = UNIT_ROWS * UNIT_BLOCKS; // 64 absmax entries per unit
+static_assert(UNIT_K % BLOCK_ELEMS == 0, "a unit must hold whole quantization blocks");
+
+// Per k-bit width: how a lane's 2*K_BITS words per unit hold its 32 pair fields.
+//   pair q = 4*u + j, u = 2*blk + s (MMA k16 step), j = MMA register (0: row g, pair 2s; 1: row g+8,
+//   pair 2s; 2: row g, pair 2s+1; 3: row g+8, pair 2s+1). A pair = elements (8t+2p, 8t+2p+1).
+//   lo field: LO_BITS_PER_ELEM low index bits of both elements (elem0 in the low half);
+//   hi field (k odd): the top index bit of elem0 (bit 0) and elem1 (bit 1).
+//   LUT index e = lo | hi << LO_FIELD_BITS.
+template <int K_BITS> struct TiledFormat {
+    static_assert(K_BITS >= 2 && K_BITS <= 5, "K_BITS must be 2..5");
+    static constexpr int LO_BITS_PER_ELEM = K_BITS >= 4 ? 4 : 2;
+    static constexpr int LO_FIELD_BITS = 2 * LO_BITS_PER_ELEM;          // 4 or 8
+    static constexpr int HAS_HI = (K_BITS & 1);                          // k = 3, 5
+    static constexpr int LO_FIELDS_PER_WORD = 32 / LO_FIELD_BITS;        // 8 or 4
+    static constexpr int HI_FIELDS_PER_WORD = 16;                        // 2 bits each
+    static constexpr int PAIRS_PER_LANE = 32;                            // 2 rows x 4 blocks x 4 pairs
+    static constexpr int LO_WORDS = PAIRS_PER_LANE / LO_FIELDS_PER_WORD; // 4 or 8
+    static constexpr int HI_WORDS = HAS_HI ? PAIRS_PER_LANE / HI_FIELDS_PER_WORD : 0;
+    static constexpr int LANE_WORDS = LO_WORDS + HI_WORDS;               // = 2 * K_BITS
+    static_assert(LANE_WORDS == 2 * K_BITS, "fields must use exactly K_BITS bits per element");
+    static constexpr int LUT_ENTRIES = 1 << (2 * K_BITS);
+    static constexpr int UNIT_WORDS = 32 * LANE_WORDS;                   // 64 * K_BITS
+    // a lane's words are stored as NV4 uint4 chunks then (if LANE_WORDS % 4) one uint2 chunk,
+    // each chunk lane-major so a warp-wide 16 (8) byte access is contiguous.
+    static constexpr int NV4 = LANE_WORDS / 4;
+    static constexpr int HAS_V2 = (LANE_WORDS % 4) != 0;
+    static_assert(LANE_WORDS % 2 == 0, "tail chunk is one uint2");
+};
+
+// word offset inside a unit of lane word lw of lane `lane`
+template <int K_BITS> __host__ __device__ inline int unit_word_offset(int lane, int lw) {
+    using F = TiledFormat<K_BITS>;
+    return lw < 4 * F::NV4 ? (lw / 4) * 128 + lane * 4 + (lw % 4) : F::NV4 * 128 + lane * 2 + (lw - 4 * F::NV4);
+}
+
+constexpr bool cp_async_wait_groups_supported(int n) { return n >= 0 && n <= 5; }
+
+// ---------------------------------------------------------------------------------------------
+// Kernel configuration
+// ---------------------------------------------------------------------------------------------
+template <int K_BITS_, int MB_, int MT_, int WARPS_N_, int WARPS_K_, bool ABS_U8_> struct KbitGemmConfig {
+    static constexpr int K_BITS = K_BITS_;
+    static constexpr int MB = MB_;           // n8 token tiles per warp
+    static constexpr int MT = MT_;           // 16-row units per warp
+    static constexpr int WARPS_N = WARPS_N_; // warps along n (different rows, same k)
+    static constexpr int WARPS_K = WARPS_K_; // warps along k (same rows), reduced in smem
+    static constexpr bool ABS_U8 = ABS_U8_;
+    using Fmt = TiledFormat<K_BITS>;
+
+    static constexpr int WARPS = WARPS_N * WARPS_K;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int TILE_M = 8 * MB;              // tokens per CTA
+    static constexpr int TILE_N = UNIT_ROWS * MT * WARPS_N; // rows n per CTA
+    static constexpr int ABS_BYTES_PER_LANE = ABS_U8 ? 8 : 16; // rows g, g+8 x 4 blocks
+
+    // per-warp ring stage: [Fmt::LANE_WORDS x 32 lanes] words per unit, then absmax
+    static constexpr int STAGE_W_WORDS = MT * Fmt::UNIT_WORDS;
+    static constexpr int STAGE_ABS_WORDS = MT * 32 * ABS_BYTES_PER_LANE / 4;
+    // A of one k-step: [UNIT_BLOCKS][a_rows][4 lanes t][16 bytes]; a_rows = min(M, TILE_M) at run time.
+    // Only for one token tile (MB = 1): wider tiles keep A in registers one k-step ahead, because
+    // per-warp copies of 16+ rows cost the smem of a second CTA per SM (H200, N=14336 K=4096 M=16
+    // k=4: A in ring 40.9 us, A in registers 25.7 us).
+    static constexpr bool A_IN_RING = MB == 1;
+    static constexpr int A_WORDS_PER_ROW = A_IN_RING ? UNIT_BLOCKS * 16 : 0;
+    // LUT copies: one per lane (conflict-free) for k <= 4; k = 5 has 1024 entries, 4 copies = 16 KB
+    static constexpr int LUT_COPIES = K_BITS <= 4 ? 32 : 4;
+    static constexpr int LUT_ENTRY_BYTES = 4; // a half2 / bf162 pair
+    static constexpr int LUT_WORDS = Fmt::LUT_ENTRIES * LUT_COPIES;
+    static constexpr int LUT_STRIDE_LOG2 = LUT_COPIES == 32 ? 7 : 4; // bytes per entry (all copies)
+    static_assert((4 << (LUT_STRIDE_LOG2 - 2)) == 4 * LUT_COPIES, "LUT stride = copies x 4 bytes");
+    // smem: two CTAs per SM (2 x (112 + 1 reserved) KB fit H100/H200's 228 KB and A100's 164 KB per
+    // CTA limit); a 16-warp CTA would take the SM alone (226 KB, sm_90 only)
+    static constexpr int CTAS_PER_SM = WARPS >= 16 ? 1 : 2;
+    static constexpr int SMEM_BUDGET_BYTES = CTAS_PER_SM == 1 ? 226 * 1024 : 112 * 1024;
+    static constexpr int SMEM_BYTES_MAX = SMEM_BUDGET_BYTES; // every launch asks for at most this
+    // ring depth is chosen at launch from a_rows (fewer A rows leave room for more stages)
+    static constexpr int MAX_STAGES = 6;
+    static __host__ __device__ constexpr int stage_words(int a_rows) {
+        return STAGE_W_WORDS + STAGE_ABS_WORDS + a_rows * A_WORDS_PER_ROW;
+    }
+    static __host__ __device__ constexpr int stages_for(int a_rows) {
+        return (SMEM_BUDGET_BYTES / 4 - LUT_WORDS) / (WARPS * stage_words(a_rows)) > MAX_STAGES
+                   ? MAX_STAGES
+                   : (SMEM_BUDGET_BYTES / 4 - LUT_WORDS) / (WARPS * stage_words(a_rows));
+    }
+    static __host__ __device__ constexpr int smem_bytes(int a_rows) {
+        return 4 * (LUT_WORDS + WARPS * stages_for(a_rows) * stage_words(a_rows));
+    }
+    static constexpr int STAGES = stages_for(TILE_M); // the fewest (a_rows = TILE_M)
+    static_assert(STAGES >= 2, "the ring needs at least 2 stages: shrink MT or WARPS");
+    static_assert(cp_async_wait_groups_supported(MAX_STAGES - 1), "cp_async_wait_dyn covers 0..5 pending groups");
+    static constexpr int RING_WORDS_MIN = WARPS * STAGES * stage_words(0);
+    static constexpr int ACC_FLOATS = MT * MB * 4; // per lane
+    static constexpr int RED_WORDS = (WARPS_K - 1) * WARPS_N * ACC_FLOATS * 32;
+    static_assert(RED_WORDS <= RING_WORDS_MIN, "the k-reduction buffer aliases the ring");
+    static constexpr int TILE_FLOATS = WARPS_N * ACC_FLOATS * 32; // workspace slot per CTA tile
+    static constexpr int MIN_CTAS_PER_SM = CTAS_PER_SM;            // caps registers (128 for 8-warp CTAs)
+    static_assert(TILE_FLOATS == TILE_M * TILE_N, "a slot holds exactly one C tile");
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------------------------
+// cp.async 16 bytes, L2-only (weights are read once); PTX ISA 9.7.9.25
+__device__ __forceinline__ void cp_async_16(uint32_t s_addr, const void* g_ptr) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s_addr), "l"(g_ptr));
+}
+// cp.async 16 bytes, reading src_bytes (0: zero fill); PTX ISA 9.7.9.25
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t s_addr, const void* g_ptr, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s_addr), "l"(g_ptr), "r"(src_bytes));
+}
+// cp.async 8 bytes (.ca: .cg only takes 16); PTX ISA 9.7.9.25
+__device__ __forceinline__ void cp_async_8(uint32_t s_addr, const void* g_ptr) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s_addr), "l"(g_ptr));
+}
+// close the current cp.async group; PTX ISA 9.7.9.26
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// wait until at most N cp.async groups of this thread are pending; PTX ISA 9.7.9.27
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+// same with a run-time count (the ring depth is chosen at launch); the switch is warp-uniform
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+    switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    default: cp_async_wait<5>(); break;
+    }
+}
+// D = A(16x16, row) * B(16x8, col) + D, fp16 inputs, fp32 accumulate; PTX ISA 9.7.14.5.8
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                             __half) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// same, bf16 inputs; PTX ISA 9.7.14.5.8
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                             __nv_bfloat16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 32-bit shared load at a byte address; not volatile: the LUT is read-only after its barrier and the
+// address depends on ring data, so the load cannot move above either; PTX ISA 9.7.9.8
+__device__ __forceinline__ uint32_t lds32(uint32_t s_addr) {
+    uint32_t v;
+    asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(s_addr));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small type helpers
+// ---------------------------------------------------------------------------------------------
+template <typename T> struct Pack2;
+template <> struct Pack2<__half> {
+    static __device__ __forceinline__ uint32_t from_floats(float lo, float hi) {
+        __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&h);
+    }
+    static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+        __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
+    static __device__ __forceinline__ float to_float(const __half v) { return __half2float(v); }
+    static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+    static constexpr int E4M4_SHIFT = 6;          // (code << 6) as fp16 == absmax / 16
+    static constexpr float E4M4_LUT_FACTOR = 16.0f;
+};
+template <> struct Pack2<__nv_bfloat16> {
+    static __device__ __forceinline__ uint32_t from_floats(float lo, float hi) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&h);
+    }
+    static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+        __nv_bfloat162 r =
+            __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
+    static __device__ __forceinline__ float to_float(const __nv_bfloat16 v) { return __bfloat162float(v); }
+    static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+    static constexpr int E4M4_SHIFT = 3;                    // (code << 3) as bf16 == absmax * 2^-116
+    static constexpr float E4M4_LUT_FACTOR = 8.3076749736557242e34f; // 2^116
+};
+
+// decode LUT index e -> the two codebook indices (see TiledFormat)
+template <int K_BITS> __host__ __device__ inline void lut_index_to_pair(int e, int& i0, int& i1) {
+    using F = TiledFormat<K_BITS>;
+    const int lo = e & ((1 << F::LO_FIELD_BITS) - 1);
+    const int hi = e >> F::LO_FIELD_BITS;
+    const int lo_mask = (1 << F::LO_BITS_PER_ELEM) - 1;
+    i0 = (lo & lo_mask) | ((hi & 1) << F::LO_BITS_PER_ELEM);
+    i1 = (lo >> F::LO_BITS_PER_ELEM) | (((hi >> 1) & 1) << F::LO_BITS_PER_ELEM);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Repack kernels: flat (checkpoint) format -> tiled. One thread per tiled word / absmax entry.
+// ---------------------------------------------------------------------------------------------
+// which element (row offset in unit, k offset in unit) and index bit a tiled bit holds
+template <int K_BITS>
+__host__ __device__ inline void tiled_bit_source(int lane, int lw, int bit, int& row, int& kk, int& ibit) {
+    using F = TiledFormat<K_BITS>;
+    int q, elem;
+    if (lw < F::LO_WORDS) {
+        q = lw * F::LO_FIELDS_PER_WORD + bit / F::LO_FIELD_BITS;
+        const int x = bit % F::LO_FIELD_BITS;
+        elem = x / F::LO_BITS_PER_ELEM;
+        ibit = x % F::LO_BITS_PER_ELEM;
+    } else {
+        q = (lw - F::LO_WORDS) * F::HI_FIELDS_PER_WORD + bit / 2;
+        elem = bit % 2;
+        ibit = F::LO_BITS_PER_ELEM;
+    }
+    const int u = q / 4, j = q % 4;
+    const int blk = u / 2, s = u % 2;
+    const int half = j & 1, pair = 2 * s + (j >> 1);
+    const int g = lane / 4, t = lane % 4;
+    row = g + 8 * half;
+    kk = blk * BLOCK_ELEMS + 8 * t + 2 * pair + elem;
+}
+
+template <int K_BITS>
+__global__ void kbit_repack_words_kernel(const uint32_t* __restrict__ g_packed_flat, uint32_t* __restrict__ g_tiled,
+                                         int N, int K_dim, int k_steps, long long total_words) {
+    using F = TiledFormat<K_BITS>;
+    const long long w = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (w >= total_words) return;
+    const long long unit = w / F::UNIT_WORDS;
+    const int off = (int)(w % F::UNIT_WORDS);
+    // invert unit_word_offset
+    int lane, lw;
+    if (off < F::NV4 * 128) {
+        lw = (off / 128) * 4 + (off % 4);
+        lane = (off % 128) / 4;
+    } else {
+        const int o = off - F::NV4 * 128;
+        lane = o / 2;
+        lw = 4 * F::NV4 + o % 2;
+    }
+    const long long n16 = unit / k_steps;
+    const int kstep = (int)(unit % k_steps);
+    uint32_t word = 0;
+    for (int bit = 0; bit < 32; bit++) {
+        int row, kk, ibit;
+        tiled_bit_source<K_BITS>(lane, lw, bit, row, kk, ibit);
+        const long long n = n16 * UNIT_ROWS + row;
+        const long long k = (long long)kstep * UNIT_K + kk;
+        if (n >= N || k >= K_dim) continue;
+        const long long flat = n * K_dim + k;
+        const long long block = flat / BLOCK_ELEMS;
+        const int j = (int)(flat % BLOCK_ELEMS);
+        const uint32_t plane = g_packed_flat[block * K_BITS + ibit];
+        word |= ((plane >> j) & 1u) << bit;
+    }
+    g_tiled[w] = word;
+}
+
+template <typename AbsT>
+__global__ void kbit_repack_absmax_kernel(const AbsT* __restrict__ g_absmax_flat, AbsT* __restrict__ g_absmax_tiled,
+                                          int N, int K_dim, int k_steps, long long total) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    const long long unit = i / UNIT_ABSMAX;
+    const int off = (int)(i % UNIT_ABSMAX); // [g 0..7][half 0..1][blk 0..3]
+    const int g = off / 8, half = (off / 4) % 2, blk = off % 4;
+    const long long n = (unit / k_steps) * UNIT_ROWS + g + 8 * half;
+    const long long k = (unit % k_steps) * UNIT_K + blk * BLOCK_ELEMS;
+    AbsT v;
+    memset(&v, 0, sizeof(v));
+    if (n < N && k < K_dim) v = g_absmax_flat[(n * K_dim + k) / BLOCK_ELEMS];
+    g_absmax_tiled[i] = v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused dequant + GEMM
+// ---------------------------------------------------------------------------------------------
+struct KbitGemmParams {
+    const void* A;          // [M, lda] fp16/bf16
+    const uint32_t* B;      // tiled words
+    const void* B_absmax;   // tiled absmax (uint8 E4M4 or fp16)
+    const float* codebook;  // [codebook_len]
+    int codebook_len;
+    const void* bias;       // [N] or nullptr
+    void* C;                // [M, N]
+    float* partials;        // workspace slots (k_splits > 1)
+    int* counters;          // workspace tile counters (k_splits > 1)
+    int M, N, K_dim, lda;
+    int k_steps;            // K_pad / UNIT_K
+    int n16_tiles;          // N_pad / UNIT_ROWS
+    int k_splits, ks_per_split;
+    int a_vec_ok;           // A 16-byte aligned and lda % 8 == 0
+    int a_rows;             // token rows of A staged per k-step: min(M, TILE_M)
+};
+
+// build the duplicated pair LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2. The codebook sits
+// one entry per lane (read with shfl), each thread writes 4 copies per 16-byte store, and the copy
+// chunk is rotated by entry so a warp's stores spread over all banks.
+template <class Cfg, typename T> __device__ void build_lut(uint32_t* s_lut, const KbitGemmParams& p) {
+    const float factor = Cfg::ABS_U8 ? Pack2<T>::E4M4_LUT_FACTOR : 1.0f;
+    const int lane = threadIdx.x % 32;
+    const float r_cb = lane < p.codebook_len ? __ldg(p.codebook + lane) * factor : 0.0f;
+    constexpr int CHUNKS_PER_ENTRY = Cfg::LUT_COPIES / 4;
+    constexpr int CHUNKS = Cfg::LUT_WORDS / 4;
+    static_assert(Cfg::LUT_COPIES % 4 == 0 && CHUNKS % Cfg::THREADS == 0 || CHUNKS < Cfg::THREADS,
+                  "LUT chunks are spread evenly over the threads");
+#pragma unroll 4
+    for (int x = threadIdx.x; x < CHUNKS; x += Cfg::THREADS) {
+        const int e = x / CHUNKS_PER_ENTRY;
+        const int c = (x + e) % CHUNKS_PER_ENTRY;
+        int i0, i1;
+        lut_index_to_pair<Cfg::K_BITS>(e, i0, i1);
+        const uint32_t v = Pack2<T>::from_floats(__shfl_sync(0xffffffffu, r_cb, i0), __shfl_sync(0xffffffffu, r_cb, i1));
+        reinterpret_cast<uint4*>(s_lut)[e * CHUNKS_PER_ENTRY + c] = make_uint4(v, v, v, v);
+    }
+}
+
+// Per-lane global read positions of one warp's stream, advanced by one k-step per call (pointer
+// increments only: recomputing unit indices per step cost ~40% of the loop's instructions, H200 SASS).
+template <class Cfg> struct StreamCursor {
+    const uint32_t* g_w[Cfg::MT];     // this lane's first uint4 chunk of unit (n16_base + mt, kstep)
+    const char* g_abs[Cfg::MT];       // this lane's absmax bytes of that unit
+    const unsigned short* g_a;        // A: row m_base + g, k = kstep * 128 + 8t (MB == 1 ring path)
+    int k_a;                          // k of g_a (block 0), for the K_dim zero fill
+    uint32_t valid_mt;                // bit mt: unit row exists (n16 < n16_tiles)
+    bool a_row_ok;                    // A row exists (m < M and row < a_rows)
+
+    __device__ __forceinline__ void init(const KbitGemmParams& p, int n16_base, int m_base, int kstep, int lane) {
+        using F = typename Cfg::Fmt;
+        valid_mt = 0;
+#pragma unroll
+        for (int mt = 0; mt < Cfg::MT; mt++) {
+            const int n16 = n16_base + mt;
+            valid_mt |= (n16 < p.n16_tiles ? 1u : 0u) << mt;
+            const long long unit = (long long)min(n16, p.n16_tiles - 1) * p.k_steps + kstep;
+            g_w[mt] = p.B + unit * F::UNIT_WORDS + lane * 4;
+            g_abs[mt] = reinterpret_cast<const char*>(p.B_absmax) +
+                        (unit * UNIT_ABSMAX + (lane / 4) * 8) * (Cfg::ABS_U8 ? 1 : 2);
+        }
+        const int g = lane / 4, t = lane % 4;
+        const int m = m_base + g;
+        a_row_ok = g < p.a_rows && m < p.M;
+        k_a = kstep * UNIT_K + 8 * t;
+        g_a = reinterpret_cast<const unsigned short*>(p.A) + (long long)min(m, p.M - 1) * p.lda + k_a;
+    }
+    __device__ __forceinline__ void advance() {
+#pragma unroll
+        for (int mt = 0; mt < Cfg::MT; mt++) {
+            g_w[mt] += Cfg::Fmt::UNIT_WORDS;
+            g_abs[mt] += UNIT_ABSMAX * (Cfg::ABS_U8 ? 1 : 2);
+        }
+        g_a += UNIT_K;
+        k_a += UNIT_K;
+    }
+};
+
+// issue the cp.async copies of one k-step (MT units: weights + absmax) into ring stage s_stage
+template <class Cfg>
+__device__ __forceinline__ void load_stage_async(uint32_t s_stage, const StreamCursor<Cfg>& cur, int lane) {
+    using F = typename Cfg::Fmt;
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++) {
+        if (!((cur.valid_mt >> mt) & 1)) continue; // warp-uniform; stale stage data only feeds unstored rows
+        const uint32_t s_unit = s_stage + 4 * (mt * F::UNIT_WORDS + lane * 4);
+#pragma unroll
+        for (int c = 0; c < F::NV4; c++) cp_async_16(s_unit + 4 * c * 128, cur.g_w[mt] + c * 128);
+        if (F::HAS_V2) // tail chunk: lane*2 instead of lane*4
+            cp_async_8(s_unit + 4 * (F::NV4 * 128 - lane * 2), cur.g_w[mt] + F::NV4 * 128 - lane * 2);
+        const uint32_t s_abs = s_stage + 4 * Cfg::STAGE_W_WORDS + (mt * 32 + lane) * Cfg::ABS_BYTES_PER_LANE;
+        if (Cfg::ABS_U8) cp_async_8(s_abs, cur.g_abs[mt]);
+        else cp_async_16(s_abs, cur.g_abs[mt]);
+    }
+}
+
+// A of one k-step into the stage (MB == 1): lane (g, t) copies exactly the 16-byte pieces it will read
+// itself (row g, k 8t..8t+7 of each block), so no barrier is needed. k >= K_dim is zero-filled (padded
+// weights are 0 and 0 * garbage could be NaN); rows >= M are skipped: they only feed unstored columns.
+template <class Cfg>
+__device__ __forceinline__ void load_a_async(uint32_t s_a, const StreamCursor<Cfg>& cur, const KbitGemmParams& p,
+                                             int lane) {
+    static_assert(Cfg::MB == 1, "the ring holds A only for one token tile");
+    if (!cur.a_row_ok) return;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int blk = 0; blk < UNIT_BLOCKS; blk++) {
+        const uint32_t s_dst = s_a + ((blk * p.a_rows + g) * 4 + t) * 16;
+        const bool in_k = cur.k_a + blk * BLOCK_ELEMS < p.K_dim;
+        const unsigned short* src = in_k ? cur.g_a + blk * BLOCK_ELEMS : cur.g_a;
+        if (p.a_vec_ok) {
+            cp_async_16_zfill(s_dst, src, in_k ? 16u : 0u);
+        } else { // lda % 8 != 0 or A misaligned: 16-bit loads, then a plain store read back by this lane
+            uint32_t w[4] = {0, 0, 0, 0};
+            if (in_k) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) w[i] = (uint32_t)__ldg(src + 2 * i) | ((uint32_t)__ldg(src + 2 * i + 1) << 16);
+            }
+            asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(s_dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+                         "r"(w[3]));
+        }
+    }
+}
+
+// A_IN_RING == false: A fragments of one k-step straight into registers (L1 shared by the warps)
+template <class Cfg>
+__device__ __forceinline__ void load_a_registers(uint4 (&r_a)[UNIT_BLOCKS][Cfg::MB], const KbitGemmParams& p,
+                                                 int m_base, int kstep, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    const unsigned short* g_A = reinterpret_cast<const unsigned short*>(p.A);
+#pragma unroll
+    for (int mb = 0; mb < Cfg::MB; mb++) {
+        const int m = m_base + mb * 8 + g;
+#pragma unroll
+        for (int blk = 0; blk < UNIT_BLOCKS; blk++) {
+            const int k = kstep * UNIT_K + blk * BLOCK_ELEMS + 8 * t;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (m < p.M && k < p.K_dim) {
+                const unsigned short* src = g_A + (long long)m * p.lda + k;
+                if (p.a_vec_ok) {
+                    v = __ldg(reinterpret_cast<const uint4*>(src));
+                } else {
+                    uint32_t w[4];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) w[i] = (uint32_t)__ldg(src + 2 * i) | ((uint32_t)__ldg(src + 2 * i + 1) << 16);
+                    v = make_uint4(w[0], w[1], w[2], w[3]);
+                }
+            }
+            r_a[blk][mb] = v;
+        }
+    }
+}
+
+// B-operand (activation) fragments of one block from the stage: b0,b1 of k16 step 0 = .x,.y, step 1 = .z,.w
+template <class Cfg>
+__device__ __forceinline__ void load_b_fragments(uint4 (&r_a)[Cfg::MB], uint32_t s_a, int a_rows, int blk, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mb = 0; mb < Cfg::MB; mb++) {
+        // rows >= a_rows only feed unstored columns: read a valid row instead of out of range
+        const int row = min(mb * 8 + g, a_rows - 1);
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r_a[mb].x), "=r"(r_a[mb].y), "=r"(r_a[mb].z), "=r"(r_a[mb].w)
+                     : "r"(s_a + ((blk * a_rows + row) * 4 + t) * 16));
+    }
+}
+
+// scale pair {s, s} for (half, blk) of one unit, as the compute dtype; the E4M4 factor is in the LUT
+template <class Cfg, typename T>
+__device__ __forceinline__ uint32_t scale_pair(const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], int idx) {
+    if constexpr (Cfg::ABS_U8) {
+        const uint32_t word = r_abs[idx / 4];
+        const uint32_t b = idx % 4;
+        const uint32_t dup = __byte_perm(word, 0u, b | (4u << 4) | (b << 8) | (4u << 12)); // {code, 0, code, 0}
+        return dup << Pack2<T>::E4M4_SHIFT;
+    } else {
+        const uint32_t word = r_abs[idx / 2];
+        if constexpr (sizeof(T) == 2 && std::is_same<T, __half>::value) {
+            return __byte_perm(word, 0u, (idx % 2) ? 0x3232u : 0x1010u);
+        } else {
+            const uint32_t hbits = (idx % 2) ? (word >> 16) : (word & 0xffffu);
+            const float f = __half2float(__ushort_as_half((unsigned short)hbits));
+            return Pack2<T>::from_floats(f, f);
+        }
+    }
+}
+
+// LUT byte address of pair q of a lane (q compile-time after unrolling)
+template <class Cfg, int Q>
+__host__ __device__ __forceinline__ uint32_t lut_addr(const uint32_t* r_w, uint32_t lane_off) {
+    using F = typename Cfg::Fmt;
+    constexpr int LS = Cfg::LUT_STRIDE_LOG2;
+    constexpr int LO_W = Q / F::LO_FIELDS_PER_WORD;
+    constexpr int LO_SH = (Q % F::LO_FIELDS_PER_WORD) * F::LO_FIELD_BITS - LS; // field bit 0 -> bit LS
+    constexpr uint32_t LO_MASK = ((1u << F::LO_FIELD_BITS) - 1) << LS;
+    const uint32_t lo = r_w[LO_W];
+    const uint32_t lo_part = LO_SH >= 0 ? (lo >> (LO_SH >= 0 ? LO_SH : 0)) : (lo << (LO_SH < 0 ? -LO_SH : 0));
+    if constexpr (F::HAS_HI) {
+        constexpr int HI_W = F::LO_WORDS + Q / F::HI_FIELDS_PER_WORD;
+        constexpr int HI_SH = (Q % F::HI_FIELDS_PER_WORD) * 2 - (LS + F::LO_FIELD_BITS);
+        constexpr uint32_t HI_MASK = 3u << (LS + F::LO_FIELD_BITS);
+        const uint32_t hi = r_w[HI_W];
+        const uint32_t hi_part = HI_SH >= 0 ? (hi >> (HI_SH >= 0 ? HI_SH : 0)) : (hi << (HI_SH < 0 ? -HI_SH : 0));
+        return (lo_part & LO_MASK) | (hi_part & HI_MASK) | lane_off;
+    } else {
+        return (lo_part & LO_MASK) | lane_off;
+    }
+}
+
+// dequantize the A-operand fragment of MMA u (= 2*blk + s) of one unit
+template <class Cfg, typename T, int U>
+__device__ __forceinline__ void dequant_frag_a(uint32_t (&frag_a)[4], const uint32_t* r_w, uint32_t s_lut,
+                                               uint32_t lane_off, uint32_t scale_g, uint32_t scale_g8) {
+    const uint32_t e0 = lds32(s_lut + lut_addr<Cfg, 4 * U + 0>(r_w, lane_off));
+    const uint32_t e1 = lds32(s_lut + lut_addr<Cfg, 4 * U + 1>(r_w, lane_off));
+    const uint32_t e2 = lds32(s_lut + lut_addr<Cfg, 4 * U + 2>(r_w, lane_off));
+    const uint32_t e3 = lds32(s_lut + lut_addr<Cfg, 4 * U + 3>(r_w, lane_off));
+    frag_a[0] = Pack2<T>::mul(e0, scale_g);
+    frag_a[1] = Pack2<T>::mul(e1, scale_g8);
+    frag_a[2] = Pack2<T>::mul(e2, scale_g);
+    frag_a[3] = Pack2<T>::mul(e3, scale_g8);
+}
+
+// dequant + MMA of one k-step held in ring stage s_stage
+template <class Cfg, typename T>
+__device__ __forceinline__ void compute_stage(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t s_stage, uint32_t s_lut,
+                                              uint32_t lane_off, int a_rows, const uint4 (&r_a_regs)[UNIT_BLOCKS][Cfg::MB],
+                                              int lane) {
+    using F = typename Cfg::Fmt;
+    uint4 r_a[UNIT_BLOCKS][Cfg::MB];
+    if constexpr (Cfg::A_IN_RING) {
+        const uint32_t s_a = s_stage + 4 * (Cfg::STAGE_W_WORDS + Cfg::STAGE_ABS_WORDS);
+#pragma unroll
+        for (int blk = 0; blk < UNIT_BLOCKS; blk++) load_b_fragments<Cfg>(r_a[blk], s_a, a_rows, blk, lane);
+    } else {
+#pragma unroll
+        for (int blk = 0; blk < UNIT_BLOCKS; blk++)
+#pragma unroll
+            for (int mb = 0; mb < Cfg::MB; mb++) r_a[blk][mb] = r_a_regs[blk][mb];
+    }
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++) {
+        uint32_t r_w[F::LANE_WORDS];
+        const uint32_t s_unit = s_stage + 4 * mt * F::UNIT_WORDS;
+#pragma unroll
+        for (int c = 0; c < F::NV4; c++) {
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(s_unit + 4 * (c * 128 + lane * 4)));
+            r_w[4 * c + 0] = v.x;
+            r_w[4 * c + 1] = v.y;
+            r_w[4 * c + 2] = v.z;
+            r_w[4 * c + 3] = v.w;
+        }
+        if constexpr (F::HAS_V2) {
+            uint32_t x, y;
+            asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n"
+                         : "=r"(x), "=r"(y)
+                         : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
+            r_w[4 * F::NV4 + 0] = x;
+            r_w[4 * F::NV4 + 1] = y;
+        }
+        uint32_t r_abs[Cfg::ABS_BYTES_PER_LANE / 4];
+        const uint32_t s_abs = s_stage + 4 * Cfg::STAGE_W_WORDS + mt * 32 * Cfg::ABS_BYTES_PER_LANE +
+                               lane * Cfg::ABS_BYTES_PER_LANE;
+        if constexpr (Cfg::ABS_U8) {
+            asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r_abs[0]), "=r"(r_abs[1]) : "r"(s_abs));
+        } else {
+            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(r_abs[0]), "=r"(r_abs[1]), "=r"(r_abs[2]), "=r"(r_abs[3])
+                         : "r"(s_abs));
+        }
+#define KBIT_MMA_STEP(U)                                                                                        \
+    {                                                                                                           \
+        constexpr int blk = (U) / 2, s = (U) % 2;                                                               \
+        uint32_t frag_a[4];                                                                                     \
+        dequant_frag_a<Cfg, T, U>(frag_a, r_w, s_lut, lane_off, scale_pair<Cfg, T>(r_abs, blk),                 \
+                                  scale_pair<Cfg, T>(r_abs, 4 + blk));                                          \
+        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) {                                                \
+            const uint32_t b0 = s ? r_a[blk][mb].z : r_a[blk][mb].x;                                            \
+            const uint32_t b1 = s ? r_a[blk][mb].w : r_a[blk][mb].y;                                            \
+            mma_m16n8k16(acc[mt][mb], frag_a, b0, b1, T());                                                     \
+        }                                                                                                       \
+    }
+        KBIT_MMA_STEP(0) KBIT_MMA_STEP(1) KBIT_MMA_STEP(2) KBIT_MMA_STEP(3)
+        KBIT_MMA_STEP(4) KBIT_MMA_STEP(5) KBIT_MMA_STEP(6) KBIT_MMA_STEP(7)
+#undef KBIT_MMA_STEP
+    }
+}
+
+// store the CTA tile (acc of warp wn after the k-reduction) to C, + bias
+template <class Cfg, typename T>
+__device__ __forceinline__ void store_output(const float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
+                                             int n_base_warp, int m_base, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    T* g_C = reinterpret_cast<T*>(p.C);
+    const T* g_bias = reinterpret_cast<const T*>(p.bias);
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int n = n_base_warp + mt * UNIT_ROWS + g + 8 * (r / 2);
+            if (n >= p.N) continue;
+            const float b = g_bias ? Pack2<T>::to_float(g_bias[n]) : 0.0f;
+#pragma unroll
+            for (int mb = 0; mb < Cfg::MB; mb++) {
+                const int m = m_base + mb * 8 + 2 * t + (r % 2);
+                if (m < p.M) g_C[(long long)m * p.N + n] = Pack2<T>::from_float(acc[mt][mb][r] + b);
+            }
+        }
+    }
+}
+
+// split-K across CTAs: write this split's slot; the last CTA of the tile sums all slots in order
+template <class Cfg>
+__device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
+                                               int tile_id, int wn, bool is_writer, int lane, int* s_flag) {
+    constexpr int F = Cfg::ACC_FLOATS;
+    const long long slot_base = (long long)tile_id * p.k_splits * Cfg::TILE_FLOATS;
+    const int split = blockIdx.y;
+    if (is_writer) {
+        float* g_slot = p.partials + slot_base + (long long)split * Cfg::TILE_FLOATS + wn * F * 32;
+#pragma unroll
+        for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+            for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) __stcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane, acc[mt][mb][r]);
+        __threadfence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(p.counters + tile_id, 1);
+        const int last = prev == p.k_splits - 1;
+        if (last) p.counters[tile_id] = 0; // self-reset for the next call
+        *s_flag = last;
+    }
+    __syncthreads();
+    if (!*s_flag) return false;
+    __threadfence();
+    if (is_writer) {
+#pragma unroll
+        for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+            for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) acc[mt][mb][r] = 0.0f;
+        for (int sp = 0; sp < p.k_splits; sp++) {
+            const float* g_slot = p.partials + slot_base + (long long)sp * Cfg::TILE_FLOATS + wn * F * 32;
+#pragma unroll
+            for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+                for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++)
+                        acc[mt][mb][r] += __ldcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane);
+        }
+    }
+    return true;
+}
+
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_kernel(const KbitGemmParams p) {
+    extern __shared__ __align__(16) uint32_t s_mem[];
+    __shared__ int s_flag;
+    uint32_t* s_lut_ptr = s_mem;                    // [LUT_ENTRIES][LUT_COPIES] packed pairs
+    uint32_t* s_ring_ptr = s_mem + Cfg::LUT_WORDS;  // [WARPS][STAGES][STAGE_WORDS]
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wn = warp % Cfg::WARPS_N, wk = warp / Cfg::WARPS_N;
+
+
+    const int n16_base = (blockIdx.x * Cfg::WARPS_N + wn) * Cfg::MT;
+    const int m_base = blockIdx.z * Cfg::TILE_M;
+    // k-steps of this warp: split chunk, then contiguous sub-chunk of warp wk
+    const int split_begin = blockIdx.y * p.ks_per_split;
+    const int split_end = min(split_begin + p.ks_per_split, p.k_steps);
+    const int split_len = max(split_end - split_begin, 0);
+    const int per_warp = (split_len + Cfg::WARPS_K - 1) / Cfg::WARPS_K;
+    const int k_begin = split_begin + wk * per_warp;
+    const int k_end = min(k_begin + per_warp, split_end);
+    const int n_steps = max(k_end - k_begin, 0);
+
+    const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_lut_ptr);
+    const int stage_words = Cfg::stage_words(p.a_rows);
+    const int stages = Cfg::stages_for(p.a_rows);
+    const uint32_t s_ring = (uint32_t)__cvta_generic_to_shared(s_ring_ptr) + 4 * warp * stages * stage_words;
+    constexpr int A_OFF_BYTES = 4 * (Cfg::STAGE_W_WORDS + Cfg::STAGE_ABS_WORDS);
+    const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
+
+    float acc[Cfg::MT][Cfg::MB][4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+        for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[mt][mb][r] = 0.0f;
+
+    // prologue: stages-1 k-steps in flight (empty groups keep the wait count uniform)
+    StreamCursor<Cfg> cur;
+    cur.init(p, n16_base, m_base, k_begin, lane);
+    for (int st = 0; st < stages - 1; st++) {
+        if (st < n_steps) {
+            load_stage_async<Cfg>(s_ring + 4 * st * stage_words, cur, lane);
+            if constexpr (Cfg::A_IN_RING) load_a_async<Cfg>(s_ring + 4 * st * stage_words + A_OFF_BYTES, cur, p, lane);
+            cur.advance();
+        }
+        cp_async_commit();
+    }
+    uint4 r_a[UNIT_BLOCKS][Cfg::MB]; // A_IN_RING == false: this k-step's fragments
+    if (!Cfg::A_IN_RING && n_steps > 0) load_a_registers<Cfg>(r_a, p, m_base, k_begin, lane);
+    build_lut<Cfg, T>(s_lut_ptr, p); // overlaps the prologue's DRAM latency
+    __syncthreads();                 // LUT complete
+
+    uint32_t s_st_load = s_ring + 4 * (stages - 1) * stage_words; // ring slot of step i + stages - 1
+    uint32_t s_st_comp = s_ring;                                   // ring slot of step i
+    const uint32_t s_ring_end = s_ring + 4 * stages * stage_words;
+    for (int i = 0; i < n_steps; i++) {
+        if (i + stages - 1 < n_steps) {
+            load_stage_async<Cfg>(s_st_load, cur, lane);
+            if constexpr (Cfg::A_IN_RING) load_a_async<Cfg>(s_st_load + A_OFF_BYTES, cur, p, lane);
+            cur.advance();
+        }
+        cp_async_commit();
+        s_st_load += 4 * stage_words;
+        if (s_st_load == s_ring_end) s_st_load = s_ring;
+        uint4 r_a_next[UNIT_BLOCKS][Cfg::MB];
+        if (!Cfg::A_IN_RING && i + 1 < n_steps) load_a_registers<Cfg>(r_a_next, p, m_base, k_begin + i + 1, lane);
+        cp_async_wait_dyn(stages - 1); // this lane's copies of step i have landed
+        compute_stage<Cfg, T>(acc, s_st_comp, s_lut, lane_off, p.a_rows, r_a, lane);
+        s_st_comp += 4 * stage_words;
+        if (s_st_comp == s_ring_end) s_st_comp = s_ring;
+        if (!Cfg::A_IN_RING && i + 1 < n_steps) {
+#pragma unroll
+            for (int blk = 0; blk < UNIT_BLOCKS; blk++)
+#pragma unroll
+                for (int mb = 0; mb < Cfg::MB; mb++) r_a[blk][mb] = r_a_next[blk][mb];
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads(); // ring free: reuse it for the k-reduction
+
+    // k-reduction across the WARPS_K warps of the CTA, in wk order
+    float* s_red = reinterpret_cast<float*>(s_ring_ptr); // [WARPS_K-1][WARPS_N][ACC_FLOATS][32]
+    if (Cfg::WARPS_K > 1) {
+        if (wk > 0) {
+            float* dst = s_red + ((wk - 1) * Cfg::WARPS_N + wn) * Cfg::ACC_FLOATS * 32;
+#pragma unroll
+            for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+                for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) dst[((mt * Cfg::MB + mb) * 4 + r) * 32 + lane] = acc[mt][mb][r];
+        }
+        __syncthreads();
+        if (wk == 0) {
+            for (int w = 1; w < Cfg::WARPS_K; w++) {
+                const float* src = s_red + ((w - 1) * Cfg::WARPS_N + wn) * Cfg::ACC_FLOATS * 32;
+#pragma unroll
+                for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+                    for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+                        for (int r = 0; r < 4; r++) acc[mt][mb][r] += src[((mt * Cfg::MB + mb) * 4 + r) * 32 + lane];
+            }
+        }
+    }
+    const int n_base_warp = n16_base * UNIT_ROWS;
+    if (p.k_splits > 1) {
+        const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
+        if (!reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag)) return;
+    }
+    if (wk == 0) store_output<Cfg, T>(acc, p, n_base_warp, m_base, lane);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Wide path (M > 64): the same per-warp weight stream and LUT dequant, but 8 token tiles per warp
+// (TILE_M = 64) and the A tile of each k-step staged ONCE per CTA in a shared cp.async ring (all warps
+// use the same k-step, so the CTA is synchronized once per k-step). Each dequantized fragment feeds
+// 8 MMAs instead of 1-4, and A is read from smem (LDS.128, rows padded to 320 bytes: conflict-free).
+// Split-K only for M <= 64 (one 64-token tile), through the same workspace slots as configs 0-2.
+// ---------------------------------------------------------------------------------------------
+template <int K_BITS_, bool ABS_U8_> struct KbitWideConfig : KbitGemmConfig<K_BITS_, 8, 2, 8, 1, ABS_U8_> {
+    using Base = KbitGemmConfig<K_BITS_, 8, 2, 8, 1, ABS_U8_>;
+    static constexpr int A_ROW_BYTES = 2 * UNIT_K + 64; // 256 + 64 pad: 8 rows of a phase hit distinct banks
+    static constexpr int A_STAGE_WORDS = Base::TILE_M * A_ROW_BYTES / 4;
+    static constexpr int W_STAGE_WORDS = Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS; // per warp
+    static constexpr int WIDE_BUDGET_BYTES = 226 * 1024;                              // one CTA per SM (sm_90)
+    static constexpr int WIDE_STAGES_FIT =
+        (WIDE_BUDGET_BYTES / 4 - Base::LUT_WORDS) / (A_STAGE_WORDS + Base::WARPS * W_STAGE_WORDS);
+    static constexpr int WIDE_STAGES = WIDE_STAGES_FIT > 4 ? 4 : WIDE_STAGES_FIT;
+    static_assert(WIDE_STAGES >= 3, "the shared ring wants >= 3 stages (one barrier per k-step)");
+    static constexpr int WIDE_SMEM_BYTES =
+        4 * (Base::LUT_WORDS + WIDE_STAGES * (A_STAGE_WORDS + Base::WARPS * W_STAGE_WORDS));
+    static constexpr int A_CHUNKS_PER_THREAD = Base::TILE_M * (UNIT_K / 8) / Base::THREADS; // 16-byte chunks
+    static_assert(Base::TILE_M * (UNIT_K / 8) % Base::THREADS == 0, "A tile chunks spread evenly");
+};
+
+// cooperative copy of the A tile [TILE_M tokens][128 k] of one k-step into the shared ring
+template <class Cfg>
+__device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemmParams& p, int m_base, int kstep) {
+    const unsigned short* g_A = reinterpret_cast<const unsigned short*>(p.A);
+#pragma unroll
+    for (int j = 0; j < Cfg::A_CHUNKS_PER_THREAD; j++) {
+        const int c = threadIdx.x + j * Cfg::THREADS;
+        const int row = c / (UNIT_K / 8), piece = c % (UNIT_K / 8);
+        const int m = m_base + row, k = kstep * UNIT_K + piece * 8;
+        const bool ok = m < p.M && k < p.K_dim; // zero fill: padded k must be 0, rows >= M are unstored
+        const unsigned short* src = ok ? g_A + (long long)m * p.lda + k : g_A;
+        const uint32_t s_dst = s_a + row * Cfg::A_ROW_BYTES + piece * 16;
+        if (p.a_vec_ok) {
+            cp_async_16_zfill(s_dst, src, ok ? 16u : 0u);
+        } else {
+            uint32_t w[4] = {0, 0, 0, 0};
+            if (ok) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) w[i] = (uint32_t)__ldg(src + 2 * i) | ((uint32_t)__ldg(src + 2 * i + 1) << 16);
+            }
+            asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(s_dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+                         "r"(w[3]));
+        }
+    }
+}
+
+// dequant + MMA of one k-step: weights from this warp's ring slot, A from the shared slot
+template <class Cfg, typename T>
+__device__ __forceinline__ void compute_stage_wide(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t s_w, uint32_t s_a,
+                                                   uint32_t s_lut, uint32_t lane_off, int lane) {
+    using F = typename Cfg::Fmt;
+    const int g = lane / 4, t = lane % 4;
+    uint32_t r_w[Cfg::MT][F::LANE_WORDS];
+    uint32_t r_abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++) {
+        const uint32_t s_unit = s_w + 4 * mt * F::UNIT_WORDS;
+#pragma unroll
+        for (int c = 0; c < F::NV4; c++)
+            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(r_w[mt][4 * c]), "=r"(r_w[mt][4 * c + 1]), "=r"(r_w[mt][4 * c + 2]), "=r"(r_w[mt][4 * c + 3])
+                         : "r"(s_unit + 4 * (c * 128 + lane * 4)));
+        if constexpr (F::HAS_V2)
+            asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n"
+                         : "=r"(r_w[mt][4 * F::NV4]), "=r"(r_w[mt][4 * F::NV4 + 1])
+                         : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
+        const uint32_t s_abs = s_w + 4 * Cfg::STAGE_W_WORDS + (mt * 32 + lane) * Cfg::ABS_BYTES_PER_LANE;
+        if constexpr (Cfg::ABS_U8)
+            asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r_abs[mt][0]), "=r"(r_abs[mt][1]) : "r"(s_abs));
+        else
+            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(r_abs[mt][0]), "=r"(r_abs[mt][1]), "=r"(r_abs[mt][2]), "=r"(r_abs[mt][3])
+                         : "r"(s_abs));
+    }
+#define KBIT_WIDE_BLOCK(BLK)                                                                                    \
+    {                                                                                                           \
+        uint4 r_b[Cfg::MB];                                                                                     \
+        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) asm volatile(                                    \
+            "ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"                                                           \
+            : "=r"(r_b[mb].x), "=r"(r_b[mb].y), "=r"(r_b[mb].z), "=r"(r_b[mb].w)                                \
+            : "r"(s_a + (mb * 8 + g) * Cfg::A_ROW_BYTES + (BLK) * 64 + t * 16));                                \
+        _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++) {                                                \
+            const uint32_t sc_g = scale_pair<Cfg, T>(r_abs[mt], BLK);                                           \
+            const uint32_t sc_g8 = scale_pair<Cfg, T>(r_abs[mt], 4 + (BLK));                                    \
+            uint32_t frag0[4], frag1[4];                                                                        \
+            dequant_frag_a<Cfg, T, 2 * (BLK)>(frag0, r_w[mt], s_lut, lane_off, sc_g, sc_g8);                     \
+            dequant_frag_a<Cfg, T, 2 * (BLK) + 1>(frag1, r_w[mt], s_lut, lane_off, sc_g, sc_g8);                 \
+            _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) {                                            \
+                mma_m16n8k16(acc[mt][mb], frag0, r_b[mb].x, r_b[mb].y, T());                                    \
+                mma_m16n8k16(acc[mt][mb], frag1, r_b[mb].z, r_b[mb].w, T());                                    \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+    KBIT_WIDE_BLOCK(0) KBIT_WIDE_BLOCK(1) KBIT_WIDE_BLOCK(2) KBIT_WIDE_BLOCK(3)
+#undef KBIT_WIDE_BLOCK
+}
+
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wide_kernel(const KbitGemmParams p) {
+    extern __shared__ __align__(16) uint32_t s_mem[];
+    constexpr int S = Cfg::WIDE_STAGES;
+    uint32_t* s_lut_ptr = s_mem;                                  // [LUT_ENTRIES][LUT_COPIES]
+    const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_mem);
+    const uint32_t s_a_ring = s_lut + 4 * Cfg::LUT_WORDS;         // [S][TILE_M][A_ROW_BYTES]
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint32_t s_w_ring = s_a_ring + 4 * S * Cfg::A_STAGE_WORDS + 4 * warp * S * Cfg::W_STAGE_WORDS; // this warp
+    const int n16_base = (blockIdx.x * Cfg::WARPS_N + warp) * Cfg::MT;
+    const int m_base = blockIdx.z * Cfg::TILE_M;
+    __shared__ int s_flag;
+    // k-steps of this split (blockIdx.y); the whole CTA walks the same k-steps
+    const int k_begin = blockIdx.y * p.ks_per_split;
+    const int n_steps = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
+    const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
+
+    float acc[Cfg::MT][Cfg::MB][4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+        for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[mt][mb][r] = 0.0f;
+
+    StreamCursor<Cfg> cur;
+    cur.init(p, n16_base, m_base, k_begin, lane);
+    for (int st = 0; st < S - 1; st++) { // prologue: S-1 k-steps in flight
+        if (st < n_steps) {
+            load_stage_async<Cfg>(s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, cur, lane);
+            load_a_shared_async<Cfg>(s_a_ring + 4 * st * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st);
+            cur.advance();
+        }
+        cp_async_commit();
+    }
+    build_lut<Cfg, T>(s_lut_ptr, p);
+
+    for (int i = 0; i < n_steps; i++) {
+        cp_async_wait<S - 2>(); // step i landed (this thread's copies) ...
+        __syncthreads();        // ... everyone's, and everyone is done with step i-1's slot (and the LUT)
+        const int st_load = (i + S - 1) % S;
+        if (i + S - 1 < n_steps) {
+            load_stage_async<Cfg>(s_w_ring + 4 * st_load * Cfg::W_STAGE_WORDS, cur, lane);
+            load_a_shared_async<Cfg>(s_a_ring + 4 * st_load * Cfg::A_STAGE_WORDS, p, m_base, k_begin + i + S - 1);
+            cur.advance();
+        }
+        cp_async_commit();
+        const int st = i % S;
+        compute_stage_wide<Cfg, T>(acc, s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, s_a_ring + 4 * st * Cfg::A_STAGE_WORDS,
+                                   s_lut, lane_off, lane);
+    }
+    cp_async_wait<0>();
+    if (p.k_splits > 1) { // M <= 64 with few n tiles: same deterministic slot reduction as configs 0-2
+        __syncthreads();
+        const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
+        if (!reduce_split_k<Cfg>(acc, p, tile_id, warp, true, lane, &s_flag)) return;
+    }
+    store_output<Cfg, T>(acc, p, n16_base * UNIT_ROWS, m_base, lane);
+}
+
+} // namespace kbit

@@ -1,0 +1,275 @@
+"""repack_kbit and the fused kbit_gemm.
+
+Reference = the default backend on the same quantized weight: the flat words dequantized to
+float32, multiplied in float32 (STYLE.md section 10), so the comparison measures kernel error
+alone. Tolerance: the kernel rounds fp16/bf16 codebook x scale products (<= 2^-11 / 2^-8
+relative each, random sign, so their effect on a K-long dot product shrinks as 1/sqrt(K)) and
+the output (one rounding: 2^-11 / 2^-8 relative); relative Frobenius error <= 2e-3 (fp16) and
+1e-2 (bf16) covers both with margin, while a wrong index, scale or row gives O(1)."""
+
+import pytest
+import torch
+
+import bitsandbytes_kbit.functional as F
+from bitsandbytes_kbit.backends.default import tiled_layout
+from conftest import seeded
+
+KS = (2, 3, 4, 5)
+GEMM_DTYPES = (torch.float16, torch.bfloat16)
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+M_SWEEP = (1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 4096)
+# (N, K_dim): the issue's N = 1024, 4096, 14336 and N not a multiple of 128 (576, 1000); K_dim =
+# 576, 4096, 14336. Every M runs on the first two; the larger ones at the M values that change
+# the dispatch.
+SHAPES_ALL_M = ((1000, 576), (576, 4096))
+SHAPES_SOME_M = ((1024, 4096), (4096, 4096), (14336, 4096), (1000, 14336), (4096, 14336))
+M_SOME = (1, 5, 16, 17, 64, 129, 1000)
+
+
+def make_weight(N, K_dim, k, absmax_format="e4m4", device="cpu", *seed):
+    g = seeded("W", N, K_dim, k, absmax_format, *seed)
+    W = (torch.randn(N, K_dim, generator=g) * 0.02).to(device)
+    packed, absmax, cb = F.quantize_kbit(W, k=k, absmax_format=absmax_format)
+    return packed, absmax, cb
+
+
+def reference(A, packed, absmax, cb, k, N, K_dim, bias=None):
+    W = F.dequantize_kbit(packed, absmax, cb, k, N * K_dim, dtype=torch.float32).view(N, K_dim)
+    C = A.reshape(-1, K_dim).float() @ W.t()
+    if bias is not None:
+        C += bias.float()
+    return C.reshape(*A.shape[:-1], N)
+
+
+def rel_err(C, ref):
+    return float((C.float() - ref).norm() / ref.norm())
+
+
+# ---------------------------------------------------------------- layout (CPU)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("N,K_dim", [(16, 128), (40, 96), (33, 160), (1, 32), (200, 544)])
+@pytest.mark.parametrize("absmax_dtype", [torch.uint8, torch.float16])
+def test_repack_round_trip_bit_exact(k, N, K_dim, absmax_dtype):
+    g = seeded("rt", k, N, K_dim, absmax_dtype)
+    nb = N * K_dim // 32
+    packed = torch.randint(-(2**31), 2**31 - 1, (nb * k,), generator=g, dtype=torch.int64).to(torch.int32)
+    absmax = torch.randint(0, 256, (nb,), generator=g, dtype=torch.int32).to(torch.uint8)
+    if absmax_dtype == torch.float16:
+        absmax = torch.rand(nb, generator=g).half()
+    B_packed, B_absmax = F.repack_kbit(packed, absmax, k, N, K_dim)
+    words, n_abs = tiled_layout.tiled_sizes(k, N, K_dim)
+    assert B_packed.numel() == words and B_absmax.numel() == n_abs and B_absmax.dtype == absmax_dtype
+    p2, a2 = tiled_layout.unrepack_kbit_reference(B_packed.reshape(-1), B_absmax.reshape(-1), k, N, K_dim)
+    assert torch.equal(p2, packed) and torch.equal(a2.view(torch.uint8), absmax.view(torch.uint8))
+
+
+@pytest.mark.parametrize("k", KS)
+def test_default_gemm_matches_reference(k):
+    N, K_dim = 40, 96
+    packed, absmax, cb = make_weight(N, K_dim, k)
+    B_packed, B_absmax = F.repack_kbit(packed, absmax, k, N, K_dim)
+    g = seeded("A", k)
+    A = torch.randn(2, 3, K_dim, generator=g).half()
+    bias = torch.randn(N, generator=g).half()
+    C = F.kbit_gemm(A, B_packed, B_absmax, cb, k, N, K_dim, bias=bias)
+    assert C.shape == (2, 3, N) and C.dtype == torch.float16
+    ref = reference(A, packed, absmax, cb, k, N, K_dim, bias)
+    assert torch.equal(C, ref.half())
+    # identity activation returns the dequantized weight, transposed
+    eye = torch.eye(K_dim, dtype=torch.bfloat16)
+    W = F.dequantize_kbit(packed, absmax, cb, k, N * K_dim, dtype=torch.float32).view(N, K_dim)
+    assert torch.equal(F.kbit_gemm(eye, B_packed, B_absmax, cb, k, N, K_dim), W.t().to(torch.bfloat16))
+    out = torch.full((2, 3, N), float("nan"), dtype=torch.float16)
+    assert F.kbit_gemm(A, B_packed, B_absmax, cb, k, N, K_dim, bias=bias, out=out) is out
+    assert torch.equal(out, C)
+
+
+def test_gemm_bad_input():
+    N, K_dim, k = 40, 96, 4
+    packed, absmax, cb = make_weight(N, K_dim, k)
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    A = torch.randn(3, K_dim).half()
+    with pytest.raises(RuntimeError, match=r"A has 95 features .* K_dim=96"):
+        F.kbit_gemm(torch.randn(3, 95).half(), Bp, Ba, cb, k, N, K_dim)
+    with pytest.raises(RuntimeError, match="A has dtype torch.float32"):
+        F.kbit_gemm(A.float(), Bp, Ba, cb, k, N, K_dim)
+    with pytest.raises(RuntimeError, match="not the flat quantize_kbit words"):
+        F.kbit_gemm(A, packed, Ba, cb, k, N, K_dim)
+    with pytest.raises(RuntimeError, match="B_packed has shape"):
+        F.kbit_gemm(A, Bp, Ba, cb, k, 64, K_dim)
+    with pytest.raises(RuntimeError, match="B_absmax has shape"):
+        F.kbit_gemm(A, Bp, Ba[:, :10], cb, k, N, K_dim)
+    with pytest.raises(RuntimeError, match="k=6 is not supported"):
+        F.kbit_gemm(A, Bp, Ba, cb, 6, N, K_dim)
+    with pytest.raises(RuntimeError, match="K_dim=100 is not a multiple of 32"):
+        F.kbit_gemm(torch.randn(3, 100).half(), Bp, Ba, cb, k, N, 100)
+    with pytest.raises(RuntimeError, match=r"bias has shape \(41,\)"):
+        F.kbit_gemm(A, Bp, Ba, cb, k, N, K_dim, bias=torch.zeros(41).half())
+    with pytest.raises(RuntimeError, match="one device"):
+        F.kbit_gemm(A.to("meta"), Bp, Ba, cb, k, N, K_dim)
+    with pytest.raises(RuntimeError, match=r"packed has 100 words; expected N\*K_dim/32\*k = 480"):
+        F.repack_kbit(packed[:100], absmax, k, N, K_dim)
+    with pytest.raises(RuntimeError, match=r"absmax has dtype torch.float32; expected torch.uint8 \(E4M4\) or torch.float16"):
+        F.repack_kbit(packed, absmax.float(), k, N, K_dim)
+    with pytest.raises(RuntimeError, match="K_dim=80 is not a multiple of 32"):
+        F.repack_kbit(packed, absmax, k, 48, 80)
+
+
+def test_gemm_opcheck_and_compile():
+    N, K_dim, k = 40, 96, 3
+    packed, absmax, cb = make_weight(N, K_dim, k)
+    torch.library.opcheck(torch.ops.bitsandbytes.repack_kbit.default, (packed, absmax, k, N, K_dim))
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    A = torch.randn(5, K_dim).half()
+    bias = torch.randn(N).half()
+    torch.library.opcheck(torch.ops.bitsandbytes.kbit_gemm.default, (A, Bp, Ba, cb, k, N, K_dim, bias))
+    out = torch.empty(5, N, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.bitsandbytes.kbit_gemm.out, (A, Bp, Ba, cb, k, N, K_dim, bias), {"out": out})
+
+    def f(x):
+        return torch.relu(F.kbit_gemm(x, Bp, Ba, cb, k, N, K_dim, bias=bias)) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(A), f(A))
+
+
+# ---------------------------------------------------------------- CUDA kernel vs reference
+
+
+def run_case(M, N, K_dim, k, dtype, absmax_format="e4m4", bias=False, config=-1, sm_count=0, lead=(), path="auto"):
+    from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
+
+    packed, absmax, cb = make_weight(N, K_dim, k, absmax_format, "cuda", M, dtype)
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    g = seeded("A", M, N, K_dim, k, dtype)
+    A = torch.randn(*lead, M, K_dim, generator=g).to("cuda", dtype)
+    b = torch.randn(N, generator=g).to("cuda", dtype) if bias else None
+    out = torch.full((*lead, M, N), float("nan"), dtype=dtype, device="cuda")  # poisoned
+    kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, b, out, config=config, sm_count=sm_count, path=path)
+    ref = reference(A, packed, absmax, cb, k, N, K_dim, b)
+    assert bool(torch.isfinite(out).all()), "every element written"
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"relative Frobenius error {err:.2e} > {TOL[dtype]:.0e}"
+    return out
+
+
+GEMM_CASES = [(M, N, K_dim) for N, K_dim in SHAPES_ALL_M for M in M_SWEEP] + [
+    (M, N, K_dim) for N, K_dim in SHAPES_SOME_M for M in M_SOME
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("M,N,K_dim", GEMM_CASES, ids=[f"M{m}-N{n}-K{kd}" for m, n, kd in GEMM_CASES])
+def test_cuda_gemm(M, N, K_dim, k, dtype):
+    run_case(M, N, K_dim, k, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", KS)
+def test_cuda_gemm_every_config_and_sm_count(k):
+    """Every compiled config through the override, and dispatch planned for SM counts from 1 to
+    1000: more k-splits than work, one split, uneven splits; the answer must not change."""
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_num_configs
+
+    for config in range(-1, gemm_num_configs()):
+        for sm_count in (1, 7, 132, 1000):
+            for M, N, K_dim in ((1, 1000, 14336), (3, 576, 576), (40, 4096, 4096), (300, 1000, 1024)):
+                run_case(M, N, K_dim, k, torch.float16, config=config, sm_count=sm_count)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["fused", "staged"])
+@pytest.mark.parametrize("k", KS)
+def test_cuda_gemm_both_paths(path, k):
+    """The fused kernel at large M and the staged path (dequantize + cuBLAS) at small M, forced, so
+    each is checked outside the M range the dispatcher gives it; bias and bf16 included."""
+    for M, N, K_dim in ((1, 1000, 576), (300, 4096, 1024), (1000, 576, 14336)):
+        run_case(M, N, K_dim, k, torch.bfloat16 if M == 300 else torch.float16, bias=True, path=path)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("absmax_format", ["e4m4", "fp16"])
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=["fp16", "bf16"])
+def test_cuda_gemm_bias_absmax_and_batched(absmax_format, dtype):
+    for k in KS:
+        run_case(7, 1000, 576, k, dtype, absmax_format=absmax_format, bias=True, lead=(2,))
+
+
+@pytest.mark.cuda
+def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
+    N, K_dim, k = 1000, 4096, 4
+    packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    # the CUDA repack equals the reference repack bit for bit
+    Bp_ref, Ba_ref = F.repack_kbit(packed.cpu(), absmax.cpu(), k, N, K_dim)
+    assert torch.equal(Bp.cpu(), Bp_ref) and torch.equal(Ba.cpu(), Ba_ref)
+    g = seeded("nc")
+    big = torch.randn(16, 2 * K_dim, generator=g).to("cuda", torch.float16)
+    A = big[:, ::2]  # non-contiguous
+    ref = reference(A, packed, absmax, cb, k, N, K_dim)
+    assert rel_err(F.kbit_gemm(A, Bp, Ba, cb, k, N, K_dim), ref) <= TOL[torch.float16]
+    At = big[:, :K_dim].t().contiguous().t()  # column-major view
+    assert rel_err(F.kbit_gemm(At, Bp, Ba, cb, k, N, K_dim), reference(At, packed, absmax, cb, k, N, K_dim)) <= 2e-3
+    # a second stream
+    s = torch.cuda.Stream()
+    Ac = A.contiguous()
+    with torch.cuda.stream(s):
+        C_s = F.kbit_gemm(Ac, Bp, Ba, cb, k, N, K_dim)
+    s.synchronize()
+    assert rel_err(C_s, ref) <= TOL[torch.float16]
+    # CUDA graph: capture with out=, replay on new data
+    out = torch.full((16, N), float("nan"), dtype=torch.float16, device="cuda")
+    F.kbit_gemm(Ac, Bp, Ba, cb, k, N, K_dim, out=out)  # warm-up (workspace exists)
+    static_A = Ac.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        F.kbit_gemm(static_A, Bp, Ba, cb, k, N, K_dim, out=out)
+    A2 = torch.randn(16, K_dim, generator=g).to("cuda", torch.float16)
+    static_A.copy_(A2)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference(A2, packed, absmax, cb, k, N, K_dim)) <= TOL[torch.float16]
+    # the same inputs give the same bits
+    assert torch.equal(F.kbit_gemm(Ac, Bp, Ba, cb, k, N, K_dim), F.kbit_gemm(Ac, Bp, Ba, cb, k, N, K_dim))
+
+
+@pytest.mark.cuda
+def test_cuda_gemm_opcheck_compile_and_errors():
+    N, K_dim, k = 1000, 576, 5
+    packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    A = torch.randn(9, K_dim, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.bitsandbytes.kbit_gemm.default, (A, Bp, Ba, cb, k, N, K_dim, bias))
+    torch.library.opcheck(torch.ops.bitsandbytes.repack_kbit.default, (packed, absmax, k, N, K_dim))
+
+    def f(x):
+        return F.kbit_gemm(x, Bp, Ba, cb, k, N, K_dim, bias=bias).float().sum(-1)
+
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(A), f(A))
+    with pytest.raises(RuntimeError, match="one device"):
+        F.kbit_gemm(A.cpu(), Bp, Ba, cb, k, N, K_dim)
+    with pytest.raises(RuntimeError, match="A has dtype torch.float32"):
+        F.kbit_gemm(A.float(), Bp, Ba, cb, k, N, K_dim)
+    # CPU tensors reach the default backend
+    C_cpu = F.kbit_gemm(A.cpu(), Bp.cpu(), Ba.cpu(), cb.cpu(), k, N, K_dim)
+    assert rel_err(F.kbit_gemm(A, Bp, Ba, cb, k, N, K_dim).cpu(), C_cpu.float()) <= 1e-2
+
+
+@pytest.mark.cuda
+def test_cuda_gemm_second_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs a second GPU (device index 1)")
+    N, K_dim, k = 576, 576, 4
+    packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda:1")
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    A = torch.randn(3, K_dim, device="cuda:1", dtype=torch.float16)
+    C = F.kbit_gemm(A, Bp, Ba, cb, k, N, K_dim)
+    assert C.device == A.device
+    assert rel_err(C, reference(A, packed, absmax, cb, k, N, K_dim)) <= 2e-3
