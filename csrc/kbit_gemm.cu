@@ -78,10 +78,13 @@ static int device_smem_optin() {
 constexpr int SMALL_M_MAX = 4;                   // A in the ring (config 0/3); H200 M=8: config 1 24.4 us vs 0 27.7 us
 constexpr int MID_M_MAX = 16;                    // two n8 token tiles
 constexpr int WIDE_MIN_M = 32;                   // above: the wide path (config 3) on GPUs with 226 KB smem/CTA
-constexpr int SPLIT_K_MAX_M = 64;                // split-K only for weight-streaming sizes (small workspace)
+constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
+                                                 // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS) and
+                                                 // config 2 had 32 (N = 1024: 0.14x); benchmarking/results
 constexpr int MIN_STEPS_PER_WARP = 2;            // a warp streams at least 2 k-steps of 128
 constexpr int MAX_SPLITS = 16;
-constexpr size_t MAX_WORKSPACE_BYTES = 8u << 20; // worst case any dispatch asks for (wide config, M <= 64)
+constexpr int WIDE_ALWAYS_MAX_M = 64;            // up to here the wide config is taken whatever N (split-K fills the GPU)
+constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)
 // The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
 // (A counter region sized per call let one call's partial sums land where a later call with more
 // CTAs keeps counters: workspaces are reused, counters must read 0. Seen on H200: M=17 N=14336 after
@@ -124,7 +127,7 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
     else if (M <= MID_M_MAX)
         config = 1;
     else if (M > WIDE_MIN_M && device_smem_optin() >= 226 * 1024 &&
-             (M <= SPLIT_K_MAX_M || 3LL * ceil_div(ceil_div(N, UNIT_ROWS), 16) * ceil_div(M, 64) >= sm_count))
+             (M <= WIDE_ALWAYS_MAX_M || 3LL * ceil_div(ceil_div(N, UNIT_ROWS), 16) * ceil_div(M, 64) >= sm_count))
         // M <= 64: split-K fills the GPU. Larger M does not split: it needs >= a third of a wave of
         // 256 x 64 tiles. H200, k = 4: N=4096 K=4096 M=256 (64 CTAs) wide 62.3 us vs config 2 78.7;
         // N=14336 K=4096 M=128 63.7 vs 162.4; M=64 N=14336 K=4096 (no split) 61.8 vs 80.7.

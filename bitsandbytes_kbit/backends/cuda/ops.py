@@ -164,7 +164,7 @@ def _sm_count(device_index: int) -> int:
 # tile counters reset themselves). It grows only outside CUDA-graph capture; a call that needs
 # more than it has while capturing gets fewer k-splits (the dispatcher falls back), never an
 # allocation.
-_MIN_WORKSPACE_BYTES = 8 << 20
+_MIN_WORKSPACE_BYTES = 8 << 20  # grows to what a call needs (at most ~32 MiB, csrc/kbit_gemm.cu)
 _workspaces: dict[int, torch.Tensor] = {}
 
 
