@@ -24,9 +24,15 @@ if [ -f bench_kbit_gemm.py ] && [ -z "${KBIT_SKIP_GEMM_BENCH:-}" ]; then
         > "$out/bench_kbit_gemm.log" 2>&1
 fi
 
+if [ -n "${KBIT_DEMO:-}" ]; then  # the main job on the GPU; without the model package: its architecture, random weights
+    (cd /tmp && BNB_KBIT_CACHE=/tmp/kbit_cache timeout 300 python3 -m bitsandbytes_kbit.demo --device cuda \
+        --plot "$out/kbit_demo.png" $KBIT_DEMO 2>&1 | grep -v "it/s]") > "$out/demo.log"
+fi
+
 echo "==================== summary"
 grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -30
 tail -n 3 "$out/pytest.log"
 [ -f "$out/bench_dequantize.log" ] && tail -n 8 "$out/bench_dequantize.log"
 [ -f "$out/bench_kbit_gemm.log" ] && tail -n 60 "$out/bench_kbit_gemm.log"
+[ -f "$out/demo.log" ] && tail -n 12 "$out/demo.log"
 exit $pytest_rc

