@@ -124,6 +124,8 @@ def test_one_copy_repacked_in_place_and_saved_flat():
     assert torch.equal(module.weight, flat_state["weight"])
     module.fused_device_types = ("cpu",)
     module(x)
+    module.load_state_dict({}, strict=False)  # a partial load (PEFT loading adapters) keeps the layout
+    assert module._tiled is True and torch.equal(module(x), y)
     module.load_state_dict(flat_state)
     assert module._tiled is False and torch.equal(module.weight, flat_state["weight"])  # a load is flat
 
@@ -364,3 +366,19 @@ def test_cuda_move_quantizes_and_matches_cpu(k, dtype):
     xg = x.cuda().requires_grad_()
     module(xg).sum().backward()
     assert xg.grad is not None and module.weight.grad is None
+
+
+@pytest.mark.cuda
+def test_cuda_compile_fullgraph_no_graph_break():
+    """A model of LinearKbit layers on CUDA (fused kbit_gemm) compiles with inductor, fullgraph."""
+    torch._dynamo.reset()
+    model = TinyMLP(k=4).cuda()
+    for m in (model.up, model.down):
+        m.prepare_for_inference()
+        assert m._tiled
+    x = torch.randn(5, 64, generator=seeded("cuda-compile")).to("cuda", torch.bfloat16)
+    eager = model(x)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)  # the same kernel on the same data

@@ -198,3 +198,36 @@ def test_dora_is_refused_up_front(float_dir, registered):
         config = register_lora_kbit(config)
     with pytest.raises(RuntimeError):
         get_peft_model(load_kbit(float_dir), config)
+
+
+@pytest.mark.cuda
+def test_cuda_lora_training_step_and_adapter_reload(float_dir, tmp_path):
+    """LoRA on a model loaded with load_in_kbit on the GPU: the loss falls, the k-bit weights stay
+    unchanged, and the saved adapter reloads to the same logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        float_dir, quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=4), dtype=torch.bfloat16, device_map="cuda"
+    )
+    peft_model = get_peft_model(model, lora_config())
+    before = kbit_state(peft_model)
+    ids = batch().cuda()
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(6):
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    after = kbit_state(peft_model)
+    assert all(torch.equal(before[n], after[n]) for n in before if n in after)
+    peft_model.eval()
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+    peft_model.save_pretrained(tmp_path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        float_dir, quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=4), dtype=torch.bfloat16, device_map="cuda"
+    )
+    reloaded = peft.PeftModel.from_pretrained(base, tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, expected)

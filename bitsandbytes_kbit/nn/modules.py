@@ -417,7 +417,8 @@ class LinearKbit(nn.Linear):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        self._tiled = False
+        if weight is not None:
+            self._tiled = False  # a loaded weight is flat; a partial load (PEFT adapters) leaves the layout alone
 
     def __setstate__(self, state):
         super().__setstate__(state)
