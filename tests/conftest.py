@@ -33,3 +33,23 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _version_is_set():
     assert bitsandbytes_kbit.__version__
+
+
+def tiny_llama(seed: int = 0):
+    """A small randomly initialised LlamaForCausalLM (2 layers, hidden 64; no downloads) for the
+    transformers and PEFT tests."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):  # transformers initializes from the global RNG: keep it untouched
+        torch.manual_seed(seed)
+        return transformers.LlamaForCausalLM(config).eval()

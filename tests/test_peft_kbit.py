@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from conftest import seeded
+from conftest import seeded, tiny_llama
 
 from bitsandbytes_kbit import integrations
 from bitsandbytes_kbit.integrations import BitsAndBytesKbitConfig
@@ -25,20 +25,8 @@ N_LINEAR = 14
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
     path = tmp_path_factory.mktemp("tiny-llama-float-peft")
-    with torch.random.fork_rng(devices=[]):  # transformers initializes from the global RNG: keep it untouched
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tiny_llama().save_pretrained(path)
     return path
 
 

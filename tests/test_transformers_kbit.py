@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import tiny_llama
 from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,22 +30,6 @@ assert integrations.register()
 REPO_ROOT = Path(__file__).resolve().parents[1]
 K = 3
 N_LINEAR = 2 * 7  # q, k, v, o, gate, up, down per layer
-
-
-def tiny_llama(seed: int = 0) -> "transformers.LlamaForCausalLM":
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):  # transformers initializes from the global RNG: keep it untouched
-        torch.manual_seed(seed)
-        return transformers.LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
