@@ -25,7 +25,20 @@ def library_path() -> Path:
     override = os.environ.get(LIBRARY_ENV)
     if override:
         return Path(override)
-    return Path(__file__).resolve().parent / LIBRARY_NAME
+    beside = Path(__file__).resolve().parent / LIBRARY_NAME
+    if beside.is_file():
+        return beside
+    # Imported from a source checkout (python -m ... in the repository root) while the built wheel
+    # is installed: use the installed distribution's library.
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        installed = Path(distribution("bitsandbytes-kbit").locate_file(f"bitsandbytes_kbit/{LIBRARY_NAME}"))
+        if installed.is_file():
+            return installed
+    except (ImportError, PackageNotFoundError):
+        pass
+    return beside
 
 
 @functools.cache
