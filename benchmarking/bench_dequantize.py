@@ -10,9 +10,9 @@ import json
 import sys
 
 import torch
+from timing import copy_bandwidth, gpu_info, median_us, read_write_bandwidth
 
 import bitsandbytes_kbit.functional as F
-from timing import copy_bandwidth, gpu_info, median_us, read_write_bandwidth
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -40,7 +40,6 @@ def main() -> None:
         us = median_us(lambda i: F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype, out=out), iters=50)
         bps = nbytes / (us * 1e-6)
         rows.append({"k": k, "bytes": nbytes, "us": us, "GBps": bps / 1e9, "of_copy": bps / copy_bps, "of_rw": bps / rw_bps})
-        del packed, absmax
     print(f"\ndequantize_kbit, {n / 2**20:.0f}M elements -> {args.dtype}, {info['gpu']} ({info['sm_count']} SMs)")
     print(f"copy_ {copy_bps / 1e9:.0f} GB/s, read+write kernel {rw_bps / 1e9:.0f} GB/s (bytes read + written)")
     print(f"{'k':>2} {'MB moved':>9} {'us':>8} {'GB/s':>7} {'% of copy':>9} {'% of r+w':>9}")

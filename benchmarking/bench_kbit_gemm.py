@@ -21,9 +21,9 @@ import time
 
 import torch
 import torch.nn.functional as torch_F
+from timing import copies_to_defeat_l2, gpu_info, l2_bytes, median_us, median_us_graph, read_write_bandwidth
 
 import bitsandbytes_kbit.functional as F
-from timing import copies_to_defeat_l2, gpu_info, l2_bytes, median_us, median_us_graph, read_write_bandwidth
 
 SHAPES = {
     "L8B-q": (4096, 4096),
@@ -94,11 +94,8 @@ def bench_shape(name, N, K, ms, ks, dtype, bw, bnb):
             )
             row[f"floor_k{k}"] = floor_us(N, K, M, k, bw)
         results[M] = row
-        del As
         cells = " ".join(f"k{k}={row[f'k{k}']:.1f}" for k in ks)
         print(f"  {name:>11} M={M:<5} fp16={row['fp16']:.1f} nf4={row.get('nf4', float('nan')):.1f} {cells} us", flush=True)
-    del fp16_copies, kbit, nf4
-    torch.cuda.empty_cache()
     return results
 
 

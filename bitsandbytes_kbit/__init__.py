@@ -9,12 +9,15 @@ also ``bitsandbytes.functional.<name>``. Only new names are added to bitsandbyte
 import sys
 import warnings
 
-from . import _ops  # noqa: F401  (op definitions first)
+from . import (
+    _ops,  # noqa: F401  (op definitions first)
+    functional,
+    integrations,
+    nn,
+)
 from .backends.cuda import ops as _cuda_ops  # noqa: F401
 from .backends.default import ops as _default_ops  # noqa: F401
-from . import functional, integrations, nn
-from .nn import KBIT_FORMAT_VERSION, LinearKbit, ParamsKbit
-from .functional import (
+from .functional import (  # noqa: F401  (re-exported)
     create_codebook,
     create_normal_float_codebook,
     decode_absmax_e4m4,
@@ -24,10 +27,11 @@ from .functional import (
     quantize_kbit,
     repack_kbit,
 )
+from .nn import KBIT_FORMAT_VERSION, LinearKbit, ParamsKbit  # noqa: F401  (re-exported)
 
 __version__ = "0.1.0"
 
-__all__ = ["functional", *functional.__all__, "nn", "integrations", *nn.__all__, "BitsAndBytesKbitConfig"]
+__all__ = ["functional", *functional.__all__, "nn", "integrations", *nn.__all__, "BitsAndBytesKbitConfig"]  # noqa: PLE0604
 
 
 def __getattr__(name: str):
@@ -42,7 +46,6 @@ def __getattr__(name: str):
 def _attach_to_bitsandbytes() -> None:
     """Add our public names to bitsandbytes' modules; never replace a name bitsandbytes has."""
     import bitsandbytes.functional as bnb_functional
-
     import bitsandbytes.nn as bnb_nn
 
     for name in functional.__all__:

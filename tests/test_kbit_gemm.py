@@ -9,10 +9,10 @@ the output (one rounding: 2^-11 / 2^-8 relative); relative Frobenius error <= 2e
 
 import pytest
 import torch
+from conftest import seeded
 
 import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit.backends.default import tiled_layout
-from conftest import seeded
 
 KS = (2, 3, 4, 5)
 GEMM_DTYPES = (torch.float16, torch.bfloat16)

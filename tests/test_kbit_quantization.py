@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from conftest import seeded
 
 import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit.backends.default import ops as ref
-from conftest import seeded
 
 KS = (2, 3, 4, 5)
 SIZES = (1, 31, 32, 33, 4096, 1_000_003)
