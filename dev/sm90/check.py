@@ -1,9 +1,8 @@
 """Development check of the sm_90a kernel: correctness vs the reference and timing vs cuBLAS."""
-import ctypes as ct, statistics, sys, os
+import ctypes as ct, sys, os
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import bitsandbytes_kbit.functional as F
-from bitsandbytes_kbit.backends.default.tiled_layout import repack_kbit_reference
+from common import bench, make
 
 lib = ct.CDLL(os.path.join(os.path.dirname(__file__), "..", "bin", "libsm90.so"))
 
@@ -17,13 +16,6 @@ def run(A, Bp, Ba, cb, k, N, K, absname="u8abs", grid=0, out=None, bn=256):
              ct.c_void_p(torch.cuda.current_stream().cuda_stream))
     assert err == 0, err
     return C
-
-def make(N, K, k, fmt="e4m4"):
-    W = torch.randn(N, K, device="cuda") * 0.02
-    p, a, cb = F.quantize_kbit(W, k=k, absmax_format=fmt)
-    Bp, Ba = repack_kbit_reference(p, a, k, N, K)
-    Wd = F.dequantize_kbit(p, a, cb, k, N * K, torch.float32).view(N, K)
-    return Bp.contiguous(), Ba.contiguous(), cb, Wd
 
 torch.manual_seed(0)
 bad = 0
@@ -42,15 +34,6 @@ for (M, N, K) in [] if os.environ.get('SKIP_CORRECT') else [(128, 128, 128), (1,
             if not ok or (k == 4 and fmt == "e4m4"):
                 print(f"M={M} N={N} K={K} k={k} {dt} {fmt}: rel err {e:.2e} {'ok' if ok else 'FAIL'}", flush=True)
 print("correctness failures:", bad, flush=True)
-
-def bench(fn, iters=30):
-    for _ in range(3): fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(ts)
 
 print("mode timing (us), BN=256: full / no-dequant / no-A / no-A+no-dequant / no-A+no-wgmma; cublas")
 for (N, K) in [(14336, 4096)]:

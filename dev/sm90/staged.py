@@ -1,20 +1,12 @@
 """Development check of the staged large-M path: tiled -> fp16 chunk (L2-sized) + cuBLAS per chunk."""
-import ctypes as ct, statistics, sys, os
+import ctypes as ct, sys, os
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import bitsandbytes_kbit.functional as F
-from bitsandbytes_kbit.backends.default.tiled_layout import repack_kbit_reference
+from common import bench, make
 
 lib = ct.CDLL(os.path.join(os.path.dirname(__file__), "..", "bin", "libsm90.so"))
 S = lambda: ct.c_void_p(torch.cuda.current_stream().cuda_stream)
 P = lambda t: ct.c_void_p(t.data_ptr())
-
-def make(N, K, k, fmt="e4m4"):
-    W = torch.randn(N, K, device="cuda") * 0.02
-    p, a, cb = F.quantize_kbit(W, k=k, absmax_format=fmt)
-    Bp, Ba = repack_kbit_reference(p, a, k, N, K)
-    Wd = F.dequantize_kbit(p, a, cb, k, N * K, torch.float32).view(N, K)
-    return Bp.contiguous(), Ba.contiguous(), cb, Wd
 
 def deq(Bp, Ba, cb, k, N, K, n0, n1, out, absname="u8abs"):
     dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[out.dtype]
@@ -49,15 +41,6 @@ for (N, K, k, dt, fmt) in [(1000, 576, 4, torch.float16, "e4m4"), (136, 160, 3, 
         bad += not ok
         print(f"  staged gemm rel err {e:.2e} {'ok' if ok else 'FAIL'}")
 print("failures:", bad, flush=True)
-
-def bench(fn, iters=30):
-    for _ in range(3): fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(ts)
 
 print(f"{'N':>6} {'K':>6} {'M':>5} {'k':>2} {'cublas':>8} {'deq-all':>8} | staged us (x cublas) for chunk MiB 8 / 16 / 32 / all")
 for (N, K) in [(14336, 4096), (4096, 14336), (28672, 8192), (8192, 28672)]:
