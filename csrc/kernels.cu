@@ -120,7 +120,7 @@ __global__ void kDequantizeKbit(
             int4* dst = reinterpret_cast<int4*>(out + first);
 #pragma unroll
             for (int v = 0; v < kVecs; ++v)
-                dst[v] = src[v];
+                __stcs(dst + v, src[v]);  // evict-first: the output is written once, keep L2 for the inputs
         } else {
             for (int j = 0; j < kElemsPerThread && first + j < n; ++j)
                 out[first + j] = r_vals[j];
@@ -169,20 +169,20 @@ KBIT_INSTANTIATE_ABSMAX(float)
 
 template <int K_BITS, typename T, bool ABS_U8>
 void launch_dequantize_tiled(
-    unsigned grid, unsigned threads, cudaStream_t stream, const TiledWeight& w, int n16_begin, int n16_end, T* out
+    unsigned grid, unsigned threads, cudaStream_t stream, const TiledWeight& w, const TiledRegion& region, T* out
 ) {
-    kbit_dequant_tiled_kernel<K_BITS, T, ABS_U8><<<grid, threads, 0, stream>>>(w, n16_begin, n16_end, out);
+    kbit_dequant_tiled_kernel<K_BITS, T, ABS_U8><<<grid, threads, 0, stream>>>(w, region, out);
 }
 
 // Instantiations: the GEMM's compute dtypes x absmax storage (E4M4 / fp16) x bit width.
 #define KBIT_INSTANTIATE_TILED(K_BITS)                                                                                 \
-    template void launch_dequantize_tiled<K_BITS, half, true>(unsigned, unsigned, cudaStream_t, const TiledWeight&, int, int, half*); \
-    template void launch_dequantize_tiled<K_BITS, half, false>(unsigned, unsigned, cudaStream_t, const TiledWeight&, int, int, half*); \
+    template void launch_dequantize_tiled<K_BITS, half, true>(unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*); \
+    template void launch_dequantize_tiled<K_BITS, half, false>(unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*); \
     template void launch_dequantize_tiled<K_BITS, __nv_bfloat16, true>(                                                \
-        unsigned, unsigned, cudaStream_t, const TiledWeight&, int, int, __nv_bfloat16*                                 \
+        unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, __nv_bfloat16*                       \
     );                                                                                                                 \
     template void launch_dequantize_tiled<K_BITS, __nv_bfloat16, false>(                                               \
-        unsigned, unsigned, cudaStream_t, const TiledWeight&, int, int, __nv_bfloat16*                                 \
+        unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, __nv_bfloat16*                       \
     );
 KBIT_INSTANTIATE_TILED(2)
 KBIT_INSTANTIATE_TILED(3)

@@ -101,22 +101,25 @@ void launch_quantize_kbit(
 
 // dequantize: one thread per 8 consecutive elements (a quarter block: byte q of every plane
 // word), one 16-byte store (fp16/bf16) or two (fp32) when vector_store allows, so a warp's
-// store covers 512 contiguous bytes. Measured on H200 (64M elements -> fp16, % of copy_
-// bandwidth): 8 elements per thread 70-75% for k = 5..2; 16 per thread (two 16-byte stores 32
-// bytes apart across the warp) 57-67%; the first version, one CTA per 2048 elements with a
-// per-bit extraction loop, 54-65%.
+// store covers 512 contiguous bytes, with the evict-first hint. Measured on H200 (64M elements ->
+// fp16, % of copy_ bandwidth, k = 2..5): 8 elements per thread 75.3 / 74.1 / 72.5 / 69.7-70.3%,
+// with evict-first stores 76.2 / 74.6 / 72.7 / 70.1%; two groups of 8 per thread with all loads
+// first 72.0 / 71.7 / 70.2 / 69.1% (more registers: 6 CTAs per SM, or spills at 8); 16 elements per
+// thread (two 16-byte stores 32 bytes apart across the warp) 57-67%; the first version, one CTA
+// per 2048 elements with a per-bit extraction loop, 54-65%.
 template <typename T, int K_BITS, typename ABSMAX_T>
 void launch_dequantize_kbit(
     unsigned grid, unsigned threads, cudaStream_t stream, const int32_t* packed, const ABSMAX_T* absmax,
     const float* codebook, int codebook_len, T* out, long long n, bool vector_store
 );
 
-// tiled weight (repack_kbit's layout) -> fp16/bf16 rows [16 n16_begin, 16 n16_end) x K_dim, row-major;
-// for the large-M path. TiledWeight and the kernel live in kbit_tiled_unit.cuh.
+// tiled weight (repack_kbit's layout) -> a row-major fp16/bf16 block of W (TiledRegion); for the
+// large-M path. TiledWeight, TiledRegion and the kernel live in kbit_tiled_unit.cuh.
 struct TiledWeight;
+struct TiledRegion;
 template <int K_BITS, typename T, bool ABS_U8>
 void launch_dequantize_tiled(
-    unsigned grid, unsigned threads, cudaStream_t stream, const TiledWeight& w, int n16_begin, int n16_end, T* out
+    unsigned grid, unsigned threads, cudaStream_t stream, const TiledWeight& w, const TiledRegion& region, T* out
 );
 
 }  // namespace kbit

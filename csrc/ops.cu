@@ -72,41 +72,48 @@ cudaError_t dequantize_kbit(
 template <int K_BITS, typename T, bool ABS_U8>
 cudaError_t dequantize_tiled(
     const int32_t* B_packed, const void* B_absmax, const float* codebook, int codebook_len, T* out, int N, int K_dim,
-    int n_begin, int n_end, cudaStream_t stream
+    int n_begin, int n_end, int k_begin, int k_end, cudaStream_t stream
 ) {
-    if (n_begin % UNIT_ROWS != 0 || n_begin < 0 || n_end > N || K_dim % BLOCK_ELEMS != 0)
+    if (n_begin % UNIT_ROWS != 0 || n_begin < 0 || n_end > N || K_dim % BLOCK_ELEMS != 0 || k_begin % UNIT_K != 0 ||
+        k_begin < 0 || k_end > K_dim)
         return cudaErrorInvalidValue;
-    if (n_end <= n_begin)
+    if (n_end <= n_begin || k_end <= k_begin)
         return cudaSuccess;
     TiledWeight w;
     w.B = reinterpret_cast<const uint32_t*>(B_packed);
     w.B_absmax = B_absmax;
     w.codebook = codebook;
     w.codebook_len = codebook_len;
-    w.N = n_end;  // rows past n_end are not written
+    w.N = N;
     w.K_dim = K_dim;
     w.k_steps = (K_dim + UNIT_K - 1) / UNIT_K;
     w.n16_tiles = (N + UNIT_ROWS - 1) / UNIT_ROWS;
     // persistent: the pair table is built once per CTA (8 CTAs of 256 threads fill an SM)
+    TiledRegion region;
+    region.n16_begin = n_begin / UNIT_ROWS;
+    region.n16_end = (n_end + UNIT_ROWS - 1) / UNIT_ROWS;
+    region.ks_begin = k_begin / UNIT_K;
+    region.ks_end = (k_end + UNIT_K - 1) / UNIT_K;
+    region.n_end = n_end;
+    region.k_end = k_end;
     launch_dequantize_tiled<K_BITS, T, ABS_U8>(
-        static_cast<unsigned>(current_sm_count()) * 8, DEQ_TILED_THREADS, stream, w, n_begin / UNIT_ROWS,
-        (n_end + UNIT_ROWS - 1) / UNIT_ROWS, out
+        static_cast<unsigned>(current_sm_count()) * DEQ_TILED_CTAS_PER_SM, DEQ_TILED_THREADS, stream, w, region, out
     );
     return cudaGetLastError();
 }
 
 #define KBIT_TILED_LAUNCHERS(K_BITS)                                                                                   \
     template cudaError_t dequantize_tiled<K_BITS, half, true>(                                                         \
-        const int32_t*, const void*, const float*, int, half*, int, int, int, int, cudaStream_t                        \
+        const int32_t*, const void*, const float*, int, half*, int, int, int, int, int, int, cudaStream_t              \
     );                                                                                                                 \
     template cudaError_t dequantize_tiled<K_BITS, half, false>(                                                        \
-        const int32_t*, const void*, const float*, int, half*, int, int, int, int, cudaStream_t                        \
+        const int32_t*, const void*, const float*, int, half*, int, int, int, int, int, int, cudaStream_t              \
     );                                                                                                                 \
     template cudaError_t dequantize_tiled<K_BITS, __nv_bfloat16, true>(                                                \
-        const int32_t*, const void*, const float*, int, __nv_bfloat16*, int, int, int, int, cudaStream_t               \
+        const int32_t*, const void*, const float*, int, __nv_bfloat16*, int, int, int, int, int, int, cudaStream_t     \
     );                                                                                                                 \
     template cudaError_t dequantize_tiled<K_BITS, __nv_bfloat16, false>(                                               \
-        const int32_t*, const void*, const float*, int, __nv_bfloat16*, int, int, int, int, cudaStream_t               \
+        const int32_t*, const void*, const float*, int, __nv_bfloat16*, int, int, int, int, int, int, cudaStream_t     \
     );
 KBIT_TILED_LAUNCHERS(2)
 KBIT_TILED_LAUNCHERS(3)

@@ -19,12 +19,13 @@ cudaError_t dequantize_kbit(
     cudaStream_t stream
 );
 
-// Rows [n_begin, n_end) of a tiled (repacked) weight W[N, K_dim] as T, row-major with row stride
-// K_dim, into out; n_begin must be a multiple of 16 (a unit of the tiled layout).
+// The block W[n_begin:n_end, k_begin:k_end] of a tiled (repacked) weight W[N, K_dim] as T, row-major
+// with row stride k_end - k_begin, into out; n_begin must be a multiple of 16 and k_begin of 128
+// (whole units of the tiled layout).
 template <int K_BITS, typename T, bool ABS_U8>
 cudaError_t dequantize_tiled(
     const int32_t* B_packed, const void* B_absmax, const float* codebook, int codebook_len, T* out, int N, int K_dim,
-    int n_begin, int n_end, cudaStream_t stream
+    int n_begin, int n_end, int k_begin, int k_end, cudaStream_t stream
 );
 
 }  // namespace kbit

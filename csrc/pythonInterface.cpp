@@ -35,13 +35,14 @@
     KBIT_QUANT_ENTRIES_K(tname, T, fp16abs, half)                                                                      \
     KBIT_QUANT_ENTRIES_K(tname, T, fp32abs, float)
 
-#define KBIT_TILED_ENTRY(tname, T, aname, ABS_U8, K_BITS)                                                             \
+#define KBIT_TILED_ENTRY(tname, T, aname, ABS_U8, K_BITS)                                                              \
     int cdequantize_tiled_##tname##_##aname##_k##K_BITS(                                                               \
         const int32_t* B_packed, const void* B_absmax, const float* codebook, int codebook_len, void* out, int N,      \
-        int K_dim, int n_begin, int n_end, cudaStream_t stream                                                         \
+        int K_dim, int n_begin, int n_end, int k_begin, int k_end, cudaStream_t stream                                 \
     ) {                                                                                                                \
         return static_cast<int>(kbit::dequantize_tiled<K_BITS, T, ABS_U8>(                                             \
-            B_packed, B_absmax, codebook, codebook_len, static_cast<T*>(out), N, K_dim, n_begin, n_end, stream         \
+            B_packed, B_absmax, codebook, codebook_len, static_cast<T*>(out), N, K_dim, n_begin, n_end, k_begin, k_end, \
+            stream                                                                                                     \
         ));                                                                                                            \
     }
 #define KBIT_TILED_ENTRIES(K_BITS)                                                                                     \

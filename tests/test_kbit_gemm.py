@@ -13,6 +13,7 @@ from conftest import seeded
 
 import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit.backends.default import tiled_layout
+from bitsandbytes_kbit.backends.default.ops import dequantize_tiled as dequantize_tiled_reference
 
 KS = (2, 3, 4, 5)
 GEMM_DTYPES = (torch.float16, torch.bfloat16)
@@ -189,6 +190,41 @@ def test_cuda_gemm_both_paths(path, k):
     each is checked outside the M range the dispatcher gives it; bias and bf16 included."""
     for M, N, K_dim in ((1, 1000, 576), (300, 4096, 1024), (1000, 576, 14336)):
         run_case(M, N, K_dim, k, torch.bfloat16 if M == 300 else torch.float16, bias=True, path=path)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N,K_dim,budget_elems", [(1000, 576, 300 * 576), (600, 1312, 600 * 400)], ids=["rows", "cols"])
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=["fp16", "bf16"])
+def test_cuda_staged_chunks(N, K_dim, budget_elems, dtype, monkeypatch):
+    """The staged path cut into several chunks: along N for a wide weight (the last chunk not a
+    multiple of 16 rows), along K for a deep one (accumulated in C; the last chunk not a multiple
+    of 128), with bias, at a small and a large M."""
+    from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
+
+    monkeypatch.setattr(cuda_ops, "STAGING_BYTES", 2 * budget_elems)
+    axis, chunks = cuda_ops.staging_chunks(N, K_dim)
+    assert axis == ("n" if N >= K_dim else "k") and len(chunks) == 4
+    assert chunks[-1][1] == (N if axis == "n" else K_dim) and all(b % 128 == 0 for b, _ in chunks)
+    for M in (5, 300):
+        run_case(M, N, K_dim, 4, dtype, bias=True, path="staged")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("absmax_format", ["e4m4", "fp16"])
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k", KS)
+def test_cuda_dequantize_tiled_matches_default(k, dtype, absmax_format):
+    """The tiled weight back in fp16/bf16 (the staged path and LinearKbit's backward use it) against
+    the default backend: each element within one rounding of the reference (the kernel rounds
+    codebook x 16 into the pair table, then the product)."""
+    N, K_dim = 1000, 1312
+    packed, absmax, cb = make_weight(N, K_dim, k, absmax_format, "cuda")
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    W = torch.ops.bitsandbytes.dequantize_kbit_tiled(Bp, Ba, cb, k, N, K_dim, dtype)
+    ref = dequantize_tiled_reference(Bp.cpu(), Ba.cpu(), cb.cpu(), k, N, K_dim)  # float32
+    assert W.shape == (N, K_dim) and W.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(W.float().cpu(), ref, rtol=2 * eps, atol=float(ref.abs().max()) * 2 * eps)
 
 
 @pytest.mark.cuda

@@ -32,10 +32,10 @@ _SIGNATURES = {
     "cdequantize_kbit_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_longlong, ct.c_void_p],
     # (packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream)
     "ckbit_repack_k{k}_{absmax}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_int, ct.c_void_p],
+    # (B_packed, B_absmax, codebook, codebook_len, out, N, K_dim, n_begin, n_end, k_begin, k_end, stream)
+    "cdequantize_tiled_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p] + [ct.c_int] * 6 + [ct.c_void_p],
     # (A, B_packed, B_absmax, codebook, codebook_len, bias, C, M, N, K_dim, lda, workspace, workspace_bytes,
     #  sm_count, config_override, stream)
-    # (B_packed, B_absmax, codebook, codebook_len, out, N, K_dim, n_begin, n_end, stream)
-    "cdequantize_tiled_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_int, ct.c_int, ct.c_int, ct.c_int, ct.c_void_p],
     "ckbit_gemm_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_int, ct.c_int, ct.c_int, ct.c_void_p, ct.c_size_t, ct.c_int, ct.c_int, ct.c_void_p],
 }
 _GEMM_DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -185,14 +185,15 @@ def gemm_num_configs() -> int:
     return lib.ckbit_gemm_num_configs()
 
 
-def _dequantize_tiled_rows(B_packed, B_absmax, codebook, k, N, K_dim, n_begin, n_end, out) -> None:
+def _dequantize_tiled_block(B_packed, B_absmax, codebook, k, N, K_dim, n_begin, n_end, k_begin, k_end, out) -> None:
+    """W[n_begin:n_end, k_begin:k_end] into the contiguous ``out`` (n_begin % 16 == 0, k_begin % 128 == 0)."""
     fn = _entry(
         "cdequantize_tiled_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[out.dtype], absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype], k=k
     )
     with torch.cuda.device(out.device):
         _call(
             "dequantize_kbit_tiled", fn, _ptr(B_packed), _ptr(B_absmax), _ptr(codebook), codebook.numel(), _ptr(out),
-            N, K_dim, n_begin, n_end, _stream(out),
+            N, K_dim, n_begin, n_end, k_begin, k_end, _stream(out),
         )
 
 
@@ -200,18 +201,19 @@ def _dequantize_tiled_rows(B_packed, B_absmax, codebook, k, N, K_dim, n_begin, n
 def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.Tensor:
     check_dequantize_tiled_args(B_packed, B_absmax, codebook, k, N, K_dim, dtype)
     out = torch.empty((N, K_dim), dtype=dtype, device=B_packed.device)
-    _dequantize_tiled_rows(B_packed, B_absmax, codebook.contiguous(), k, N, K_dim, 0, N, out)
+    _dequantize_tiled_block(B_packed, B_absmax, codebook.contiguous(), k, N, K_dim, 0, N, 0, K_dim, out)
     return out
 
 
 # The large-M path: above STAGED_MIN_M tokens the product is bound by the tensor cores, and
 # dequantizing the weight in chunks to a cached scratch and letting cuBLAS multiply beats the
-# fused mma.sync kernel (H200, dev/sm90/staged.py and benchmarking/bench_kbit_gemm.py: 0.74-0.78x
-# cuBLAS at M = 1024, 0.85-0.93x at M = 4096). M <= 256 never takes it, so no fp16 copy of W is
-# made there. The scratch holds at most STAGING_BYTES (one chunk of rows), per device and dtype,
-# and is never allocated under CUDA-graph capture (the fused kernel runs instead).
+# fused mma.sync kernel (H200, dev/sm90/staged.py and benchmarking/bench_kbit_gemm.py). M <= 256
+# never takes it, so no fp16 copy of W is made there. The scratch holds at most STAGING_BYTES (one
+# chunk), per device and dtype, and is never allocated under CUDA-graph capture (the fused kernel
+# runs instead).
 STAGED_MIN_M = 257
 STAGING_BYTES = 64 << 20
+STAGING_ALIGN = 128  # chunk edges on whole cuBLAS tiles (and whole units: 16 rows, 128 k)
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
@@ -224,20 +226,46 @@ def _staging_buffer(device: torch.device, dtype: torch.dtype, elems: int):
     return buf if buf is not None and buf.numel() >= elems else None
 
 
+def staging_chunks(N: int, K_dim: int, elem_bytes: int = 2) -> tuple[str, list[tuple[int, int]]]:
+    """How the staged path cuts W[N, K_dim]: ("n", row ranges) or ("k", column ranges), equal
+    chunks of at most STAGING_BYTES with edges on STAGING_ALIGN.
+
+    The cut runs along the longer side so every cuBLAS call keeps the whole other side: row chunks
+    of a wide weight (gate/up) keep K, column chunks of a deep one (down) keep N, and the call has
+    the tile count of the whole product. (Rows of a deep weight gave cuBLAS half-width products:
+    H200, N=4096 K=14336 M=1024, 0.66-0.72x of one fp16 call.)"""
+    n_chunks = -(-N * K_dim * elem_bytes // STAGING_BYTES)
+    axis, length = ("n", N) if N >= K_dim else ("k", K_dim)
+    step = -(-length // n_chunks)
+    step = max(STAGING_ALIGN, -(-step // STAGING_ALIGN) * STAGING_ALIGN)
+    return axis, [(i, min(length, i + step)) for i in range(0, length, step)]
+
+
 def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> bool:
-    rows = min(N, max(16, STAGING_BYTES // (2 * K_dim) // 16 * 16))
-    scratch = _staging_buffer(A2.device, A2.dtype, rows * K_dim)
+    axis, chunks = staging_chunks(N, K_dim, A2.element_size())
+    span = max(e - b for b, e in chunks)
+    scratch = _staging_buffer(A2.device, A2.dtype, span * (K_dim if axis == "n" else N))
     if scratch is None:
         return False
-    for n0 in range(0, N, rows):
-        n1 = min(N, n0 + rows)
-        W = scratch[: (n1 - n0) * K_dim].view(n1 - n0, K_dim)
-        _dequantize_tiled_rows(B_packed, B_absmax, codebook, k, N, K_dim, n0, n1, W)
-        out = C2 if (n0 == 0 and n1 == N) else C2[:, n0:n1]
-        if bias is not None:
-            torch.addmm(bias[n0:n1], A2, W.t(), out=out)
-        else:
-            torch.mm(A2, W.t(), out=out)
+    for i, (c0, c1) in enumerate(chunks):
+        if axis == "n":
+            W = scratch[: (c1 - c0) * K_dim].view(c1 - c0, K_dim)
+            _dequantize_tiled_block(B_packed, B_absmax, codebook, k, N, K_dim, c0, c1, 0, K_dim, W)
+            out = C2 if len(chunks) == 1 else C2[:, c0:c1]
+            if bias is not None:
+                torch.addmm(bias[c0:c1], A2, W.t(), out=out)
+            else:
+                torch.mm(A2, W.t(), out=out)
+        else:  # C = sum over k chunks of A[:, chunk] @ W[:, chunk]^T, accumulated in C (beta = 1)
+            W = scratch[: N * (c1 - c0)].view(N, c1 - c0)
+            _dequantize_tiled_block(B_packed, B_absmax, codebook, k, N, K_dim, 0, N, c0, c1, W)
+            A_part = A2 if len(chunks) == 1 else A2[:, c0:c1]
+            if i > 0:
+                C2.addmm_(A_part, W.t())
+            elif bias is not None:
+                torch.addmm(bias, A_part, W.t(), out=C2)
+            else:
+                torch.mm(A_part, W.t(), out=C2)
     return True
 
 
