@@ -170,7 +170,7 @@ def model_demo(args) -> None:
         total, linear = weight_bytes(model)
         say(f"  {variant}: loaded in {time.perf_counter() - t0:.1f} s; perplexity ...")
         ppl = perplexity(model, ids) if ids is not None else float("nan")
-        say(f"  {variant}: perplexity {ppl:.2f}; greedy completion ...")
+        say(f"  {variant}: perplexity {ppl:.2f}; greedy completion ..." if ids is not None else f"  {variant}: greedy decoding ...")
         answer, tps = complete(model, tok, args.max_new_tokens, device)
         rows.append((variant, total, linear, ppl, tps, answer))
         del model
@@ -182,7 +182,8 @@ def model_demo(args) -> None:
     say(f"{'model':>6} {'weights MiB':>11} {'linear MiB':>10} {'linear vs bf16':>14} {'perplexity':>10} {'tok/s':>7}  completion of {PROMPT!r}")
     for variant, total, linear, ppl, tps, answer in rows:
         ratio = f"{base_linear / linear:.2f}x smaller" if base_linear and variant != "bf16" else ""
-        say(f"{variant:>6} {total / 2**20:>11.1f} {linear / 2**20:>10.1f} {ratio:>14} {ppl:>10.2f} {tps:>7.1f}  {answer!r}")
+        ppl_text = "n/a" if math.isnan(ppl) else f"{ppl:.2f}"  # random weights: no text to score
+        say(f"{variant:>6} {total / 2**20:>11.1f} {linear / 2**20:>10.1f} {ratio:>14} {ppl_text:>10} {tps:>7.1f}  {answer!r}")
     say(f"\ntok/s: greedy decoding of {args.max_new_tokens} tokens, batch 1, on {device}; linear = the 210 nn.Linear layers "
         "of the transformer blocks (embeddings and the tied head stay bf16).")
     if args.plot:

@@ -81,7 +81,8 @@ constexpr int WIDE_MIN_M = 32;                   // above: the wide path (config
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
                                                  // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS) and
                                                  // config 2 had 32 (N = 1024: 0.14x); benchmarking/results
-constexpr int MIN_STEPS_PER_WARP = 2;            // a warp streams at least 2 k-steps of 128
+constexpr int MIN_STEPS_PER_WARP = 1;            // a warp streams at least 1 k-step of 128: with 2, N=1024 K=4096
+                                                 // got 4 splits (64 CTAs); with 1, 8 (H200, M=16 k=5: 9.2 -> 7.7 us)
 constexpr int MAX_SPLITS = 16;
 constexpr int WIDE_ALWAYS_MAX_M = 64;            // up to here the wide config is taken whatever N (split-K fills the GPU)
 constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)

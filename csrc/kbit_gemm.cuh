@@ -88,6 +88,8 @@
 //      ring needs fewer registers and exposes no global latency, kept. For M = 16 per-warp A copies
 //      cost a CTA per SM (40.9 vs 25.7 us), so MB >= 2 keeps A in registers.
 //    - recomputing unit addresses per k-step: ~40% of the loop's instructions; pointer increments.
+//    - A copies of the MB = 1 ring with per-block K_dim checks: ~48 of ~520 instructions per k-step;
+//      a check-free path for k-steps inside K_dim takes ~20 (no measurable change at M = 1, kept).
 //    - a byte-indexed 64 KB LUT (one PRMT per pair address instead of shift + LOP3) in 16-warp CTAs:
 //      fewer instructions, not faster (N=14336 K=4096: 23.6 vs 20.8 us, 1.7 waves at one CTA per SM;
 //      N=8192 K=28672: 50.0 vs 52.2 us). Removed.
@@ -503,6 +505,12 @@ __device__ __forceinline__ void load_a_async(uint32_t s_a, const StreamCursor<Cf
     static_assert(Cfg::MB == 1, "the ring holds A only for one token tile");
     if (!cur.a_row_ok) return;
     const int g = lane / 4, t = lane % 4;
+    if (p.a_vec_ok && cur.k_a + (UNIT_K - 8 * t) <= p.K_dim) { // whole k-step inside K_dim (all but maybe the last)
+        const uint32_t s_row = s_a + (g * 4 + t) * 16;
+#pragma unroll
+        for (int blk = 0; blk < UNIT_BLOCKS; blk++) cp_async_16(s_row + blk * p.a_rows * 64, cur.g_a + blk * BLOCK_ELEMS);
+        return;
+    }
 #pragma unroll
     for (int blk = 0; blk < UNIT_BLOCKS; blk++) {
         const uint32_t s_dst = s_a + ((blk * p.a_rows + g) * 4 + t) * 16;

@@ -78,6 +78,15 @@ __device__ __forceinline__ void byte_offsets_from_planes(const uint32_t (&planes
     }
 }
 
+// One plane word through the read-only path, asking L2 to fetch 256 bytes around it: the words of
+// neighbouring warps come in one DRAM burst (H200: k = 5 dequantize 69.5 -> 70.7% of copy_);
+// PTX ISA 9.7.9.8
+__device__ __forceinline__ int32_t load_plane(const int32_t* p) {
+    int32_t v;
+    asm("ld.global.nc.L2::256B.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
+    return v;
+}
+
 template <typename T, int K_BITS, typename ABSMAX_T>
 __global__ void kDequantizeKbit(
     const int32_t* __restrict__ packed, const ABSMAX_T* __restrict__ absmax, const float* __restrict__ codebook,
@@ -92,18 +101,32 @@ __global__ void kDequantizeKbit(
     const char* s_code_bytes = reinterpret_cast<const char*>(s_code);
 
     // Persistent grid: the table is loaded once per CTA, not once per few thousand elements.
+    // Software pipelined: the next group's plane words and scale are loaded before this group is
+    // converted, so a thread always has one group's reads in flight.
     const long long num_groups = (n + kElemsPerThread - 1) / kElemsPerThread;
-    for (long long group = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; group < num_groups;
-         group += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    long long group = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    uint32_t r_next[K_BITS];
+    ABSMAX_T r_next_abs;
+    auto load_group = [&](long long grp) {
+        const long long blk = grp / kGroupsPerBlock;
+#pragma unroll
+        for (int b = 0; b < K_BITS; ++b)
+            r_next[b] = static_cast<uint32_t>(load_plane(packed + blk * K_BITS + b));
+        r_next_abs = absmax[blk];
+    };
+    if (group < num_groups)
+        load_group(group);
+    for (; group < num_groups; group += stride) {
         const long long first = group * kElemsPerThread;
-        const long long blk = group / kGroupsPerBlock;
         const int shift = static_cast<int>(group % kGroupsPerBlock) * kElemsPerThread;
-
         uint32_t r_planes[K_BITS];  // this thread's byte of each plane, in bits 0..7
 #pragma unroll
         for (int b = 0; b < K_BITS; ++b)
-            r_planes[b] = static_cast<uint32_t>(__ldg(packed + blk * K_BITS + b)) >> shift;
-        const float scale = AbsmaxCodec<ABSMAX_T>::decode(absmax[blk]);
+            r_planes[b] = r_next[b] >> shift;
+        const float scale = AbsmaxCodec<ABSMAX_T>::decode(r_next_abs);
+        if (group + stride < num_groups)
+            load_group(group + stride);
         uint32_t lo4, hi4;
         byte_offsets_from_planes<K_BITS>(r_planes, lo4, hi4);
 
