@@ -8,6 +8,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-$root/out}"
 mkdir -p "$out"
 export PYTHONPATH="$root/.whl/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KBIT_REQUIRE_NATIVE=1  # the carried wheel was built with nvcc: its library must load
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$out/gpu.txt"
 (cd /tmp && python3 -c "import torch, bitsandbytes, bitsandbytes_kbit as bk; from bitsandbytes_kbit import cextension; \
 print('torch', torch.__version__, 'bnb', bitsandbytes.__version__, 'kbit', bk.__file__, 'native', cextension.is_available()); \

@@ -132,6 +132,12 @@ def _(
     return torch.empty(n, dtype=dtype, device=packed.device)
 
 
+
+def check_dequantize_out_args(packed, absmax, codebook, k: int, n: int, dtype, out: torch.Tensor) -> None:
+    """dequantize_kbit's arguments, and an ``out`` that can hold its result."""
+    check_dequantize_args(packed, absmax, codebook, k, n, dtype)
+    check_out("dequantize_kbit", out, (n,), dtype, packed.device)
+
 torch.library.define(
     "bitsandbytes::dequantize_kbit.out",
     "(Tensor packed, Tensor absmax, Tensor codebook, int k, int n, ScalarType dtype, Tensor! out) -> ()",
@@ -139,17 +145,8 @@ torch.library.define(
 
 
 @register_fake("bitsandbytes::dequantize_kbit.out")
-def _(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    codebook: torch.Tensor,
-    k: int,
-    n: int,
-    dtype: torch.dtype,
-    out: torch.Tensor,
-) -> None:
-    check_dequantize_args(packed, absmax, codebook, k, n, dtype)
-    check_out("dequantize_kbit", out, (n,), dtype, packed.device)
+def _(packed, absmax, codebook, k: int, n: int, dtype: torch.dtype, out: torch.Tensor) -> None:
+    check_dequantize_out_args(packed, absmax, codebook, k, n, dtype, out)
 
 
 
@@ -199,16 +196,8 @@ def check_repack_args(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int
     check_same_device(op, packed=packed, absmax=absmax)
 
 
-def check_gemm_args(
-    A: torch.Tensor,
-    B_packed: torch.Tensor,
-    B_absmax: torch.Tensor,
-    codebook: torch.Tensor,
-    k: int,
-    N: int,
-    K_dim: int,
-    bias,
-) -> None:
+def check_gemm_args(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias) -> None:
+    """kbit_gemm's arguments against each other and what the kernels assume (shapes, dtypes, devices)."""
     op = "kbit_gemm"
     check_weight_shape(op, k, N, K_dim)
     torch._check(A.dtype in GEMM_DTYPES, lambda: f"{op}: A has dtype {A.dtype}; expected torch.float16 or torch.bfloat16")
@@ -281,10 +270,15 @@ torch.library.define(
 )
 
 
-@register_fake("bitsandbytes::kbit_gemm.out")
-def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
+
+def check_gemm_out_args(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
+    """kbit_gemm's arguments, and an ``out`` that can hold its result."""
     check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
     check_out("kbit_gemm", out, (*A.shape[:-1], N), A.dtype, A.device)
+
+@register_fake("bitsandbytes::kbit_gemm.out")
+def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
+    check_gemm_out_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias, out)
 
 
 def check_dequantize_tiled_args(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> None:

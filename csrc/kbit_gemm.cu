@@ -163,6 +163,20 @@ static void repack(const int* packed_flat, const void* absmax_flat, int* B_packe
     check_launch("ckbit_repack absmax");
 }
 
+// Opt `kernel` into `bytes` of dynamic shared memory on the current device, once per device
+// (`done`: the caller's per-instantiation flags). false, with the message set, if the device refuses.
+template <typename Kernel> static bool allow_dynamic_smem(Kernel kernel, int bytes, bool (&done)[64]) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 64 && done[dev]) return true;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
+        check_launch("ckbit_gemm set smem attribute");
+        return false;
+    }
+    if (dev < 64) done[dev] = true;
+    return true;
+}
+
 template <class Cfg, typename T>
 static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     if (Cfg::SMEM_BYTES_MAX > device_smem_optin()) {
@@ -170,16 +184,7 @@ static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
         return;
     }
     static bool s_attr_set[64] = {};
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev < 64 && !s_attr_set[dev]) {
-        if (cudaFuncSetAttribute(kbit_gemm_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 Cfg::SMEM_BYTES_MAX) != cudaSuccess) {
-            check_launch("ckbit_gemm set smem attribute");
-            return;
-        }
-        s_attr_set[dev] = true;
-    }
+    if (!allow_dynamic_smem(kbit_gemm_kernel<Cfg, T>, Cfg::SMEM_BYTES_MAX, s_attr_set)) return;
     const int n_ctas = ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N);
     const int m_tiles = ceil_div(p.M, Cfg::TILE_M);
     p.k_splits = k_splits;
@@ -196,16 +201,7 @@ template <class Cfg, typename T> static void launch_wide(KbitGemmParams& p, int 
         return;
     }
     static bool s_attr_set[64] = {};
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev < 64 && !s_attr_set[dev]) {
-        if (cudaFuncSetAttribute(kbit_gemm_wide_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 Cfg::WIDE_SMEM_BYTES) != cudaSuccess) {
-            check_launch("ckbit_gemm set smem attribute");
-            return;
-        }
-        s_attr_set[dev] = true;
-    }
+    if (!allow_dynamic_smem(kbit_gemm_wide_kernel<Cfg, T>, Cfg::WIDE_SMEM_BYTES, s_attr_set)) return;
     p.k_splits = k_splits;
     p.ks_per_split = ceil_div(p.k_steps, k_splits);
     p.a_rows = Cfg::TILE_M;

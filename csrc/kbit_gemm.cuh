@@ -274,6 +274,19 @@ __device__ __forceinline__ uint32_t lds32(uint32_t s_addr) {
     return v;
 }
 
+// 16-byte shared store; PTX ISA 9.7.9.9
+__device__ __forceinline__ void sts128(uint32_t s_addr, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(s_addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+// 8 consecutive 16-bit A values where A may be misaligned (lda % 8 != 0 or an offset view): eight
+// 2-byte loads packed pairwise, the layout a 16-byte load would give
+__device__ __forceinline__ uint4 ldg_a_unaligned(const unsigned short* src) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = (uint32_t)__ldg(src + 2 * i) | ((uint32_t)__ldg(src + 2 * i + 1) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Small type helpers
 // ---------------------------------------------------------------------------------------------
@@ -518,14 +531,8 @@ __device__ __forceinline__ void load_a_async(uint32_t s_a, const StreamCursor<Cf
         const unsigned short* src = in_k ? cur.g_a + blk * BLOCK_ELEMS : cur.g_a;
         if (p.a_vec_ok) {
             cp_async_16_zfill(s_dst, src, in_k ? 16u : 0u);
-        } else { // lda % 8 != 0 or A misaligned: 16-bit loads, then a plain store read back by this lane
-            uint32_t w[4] = {0, 0, 0, 0};
-            if (in_k) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) w[i] = (uint32_t)__ldg(src + 2 * i) | ((uint32_t)__ldg(src + 2 * i + 1) << 16);
-            }
-            asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(s_dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
-                         "r"(w[3]));
+        } else { // A misaligned: 16-bit loads, then a plain store read back by this lane
+            sts128(s_dst, in_k ? ldg_a_unaligned(src) : make_uint4(0, 0, 0, 0));
         }
     }
 }
@@ -545,14 +552,7 @@ __device__ __forceinline__ void load_a_registers(uint4 (&r_a)[UNIT_BLOCKS][Cfg::
             uint4 v = make_uint4(0, 0, 0, 0);
             if (m < p.M && k < p.K_dim) {
                 const unsigned short* src = g_A + (long long)m * p.lda + k;
-                if (p.a_vec_ok) {
-                    v = __ldg(reinterpret_cast<const uint4*>(src));
-                } else {
-                    uint32_t w[4];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) w[i] = (uint32_t)__ldg(src + 2 * i) | ((uint32_t)__ldg(src + 2 * i + 1) << 16);
-                    v = make_uint4(w[0], w[1], w[2], w[3]);
-                }
+                v = p.a_vec_ok ? __ldg(reinterpret_cast<const uint4*>(src)) : ldg_a_unaligned(src);
             }
             r_a[blk][mb] = v;
         }
@@ -571,6 +571,40 @@ __device__ __forceinline__ void load_b_fragments(uint4 (&r_a)[Cfg::MB], uint32_t
                      : "=r"(r_a[mb].x), "=r"(r_a[mb].y), "=r"(r_a[mb].z), "=r"(r_a[mb].w)
                      : "r"(s_a + ((blk * a_rows + row) * 4 + t) * 16));
     }
+}
+
+template <class Cfg> __device__ __forceinline__ void zero_acc(float (&acc)[Cfg::MT][Cfg::MB][4]) {
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+        for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[mt][mb][r] = 0.0f;
+}
+
+// this lane's 2*K_BITS words and absmax bytes of unit mt of a ring stage (the layout load_stage_async wrote)
+template <class Cfg>
+__device__ __forceinline__ void read_unit_from_stage(uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
+                                                     uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], uint32_t s_stage,
+                                                     int mt, int lane) {
+    using F = typename Cfg::Fmt;
+    const uint32_t s_unit = s_stage + 4 * mt * F::UNIT_WORDS;
+#pragma unroll
+    for (int c = 0; c < F::NV4; c++)
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r_w[4 * c]), "=r"(r_w[4 * c + 1]), "=r"(r_w[4 * c + 2]), "=r"(r_w[4 * c + 3])
+                     : "r"(s_unit + 4 * (c * 128 + lane * 4)));
+    if constexpr (F::HAS_V2)
+        asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n"
+                     : "=r"(r_w[4 * F::NV4]), "=r"(r_w[4 * F::NV4 + 1])
+                     : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
+    const uint32_t s_abs = s_stage + 4 * Cfg::STAGE_W_WORDS + (mt * 32 + lane) * Cfg::ABS_BYTES_PER_LANE;
+    if constexpr (Cfg::ABS_U8)
+        asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r_abs[0]), "=r"(r_abs[1]) : "r"(s_abs));
+    else
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r_abs[0]), "=r"(r_abs[1]), "=r"(r_abs[2]), "=r"(r_abs[3])
+                     : "r"(s_abs));
 }
 
 // scale pair {s, s} for (half, blk) of one unit, as the compute dtype; the E4M4 factor is in the LUT
@@ -649,36 +683,8 @@ __device__ __forceinline__ void compute_stage(float (&acc)[Cfg::MT][Cfg::MB][4],
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++) {
         uint32_t r_w[F::LANE_WORDS];
-        const uint32_t s_unit = s_stage + 4 * mt * F::UNIT_WORDS;
-#pragma unroll
-        for (int c = 0; c < F::NV4; c++) {
-            uint4 v;
-            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(s_unit + 4 * (c * 128 + lane * 4)));
-            r_w[4 * c + 0] = v.x;
-            r_w[4 * c + 1] = v.y;
-            r_w[4 * c + 2] = v.z;
-            r_w[4 * c + 3] = v.w;
-        }
-        if constexpr (F::HAS_V2) {
-            uint32_t x, y;
-            asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n"
-                         : "=r"(x), "=r"(y)
-                         : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
-            r_w[4 * F::NV4 + 0] = x;
-            r_w[4 * F::NV4 + 1] = y;
-        }
         uint32_t r_abs[Cfg::ABS_BYTES_PER_LANE / 4];
-        const uint32_t s_abs = s_stage + 4 * Cfg::STAGE_W_WORDS + mt * 32 * Cfg::ABS_BYTES_PER_LANE +
-                               lane * Cfg::ABS_BYTES_PER_LANE;
-        if constexpr (Cfg::ABS_U8) {
-            asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r_abs[0]), "=r"(r_abs[1]) : "r"(s_abs));
-        } else {
-            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(r_abs[0]), "=r"(r_abs[1]), "=r"(r_abs[2]), "=r"(r_abs[3])
-                         : "r"(s_abs));
-        }
+        read_unit_from_stage<Cfg>(r_w, r_abs, s_stage, mt, lane);
 #define KBIT_MMA_STEP(U)                                                                                        \
     {                                                                                                           \
         constexpr int blk = (U) / 2, s = (U) % 2;                                                               \
@@ -748,12 +754,7 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
     if (!*s_flag) return false;
     __threadfence();
     if (is_writer) {
-#pragma unroll
-        for (int mt = 0; mt < Cfg::MT; mt++)
-#pragma unroll
-            for (int mb = 0; mb < Cfg::MB; mb++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) acc[mt][mb][r] = 0.0f;
+        zero_acc<Cfg>(acc);
         for (int sp = 0; sp < p.k_splits; sp++) {
             const float* g_slot = p.partials + slot_base + (long long)sp * Cfg::TILE_FLOATS + wn * F * 32;
 #pragma unroll
@@ -797,12 +798,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
     const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
 
     float acc[Cfg::MT][Cfg::MB][4];
-#pragma unroll
-    for (int mt = 0; mt < Cfg::MT; mt++)
-#pragma unroll
-        for (int mb = 0; mb < Cfg::MB; mb++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[mt][mb][r] = 0.0f;
+    zero_acc<Cfg>(acc);
 
     // prologue: stages-1 k-steps in flight (empty groups keep the wait count uniform)
     StreamCursor<Cfg> cur;
@@ -920,13 +916,7 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
         if (p.a_vec_ok) {
             cp_async_16_zfill(s_dst, src, ok ? 16u : 0u);
         } else {
-            uint32_t w[4] = {0, 0, 0, 0};
-            if (ok) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) w[i] = (uint32_t)__ldg(src + 2 * i) | ((uint32_t)__ldg(src + 2 * i + 1) << 16);
-            }
-            asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(s_dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
-                         "r"(w[3]));
+            sts128(s_dst, ok ? ldg_a_unaligned(src) : make_uint4(0, 0, 0, 0));
         }
     }
 }
@@ -940,25 +930,7 @@ __device__ __forceinline__ void compute_stage_wide(float (&acc)[Cfg::MT][Cfg::MB
     uint32_t r_w[Cfg::MT][F::LANE_WORDS];
     uint32_t r_abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
 #pragma unroll
-    for (int mt = 0; mt < Cfg::MT; mt++) {
-        const uint32_t s_unit = s_w + 4 * mt * F::UNIT_WORDS;
-#pragma unroll
-        for (int c = 0; c < F::NV4; c++)
-            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(r_w[mt][4 * c]), "=r"(r_w[mt][4 * c + 1]), "=r"(r_w[mt][4 * c + 2]), "=r"(r_w[mt][4 * c + 3])
-                         : "r"(s_unit + 4 * (c * 128 + lane * 4)));
-        if constexpr (F::HAS_V2)
-            asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n"
-                         : "=r"(r_w[mt][4 * F::NV4]), "=r"(r_w[mt][4 * F::NV4 + 1])
-                         : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
-        const uint32_t s_abs = s_w + 4 * Cfg::STAGE_W_WORDS + (mt * 32 + lane) * Cfg::ABS_BYTES_PER_LANE;
-        if constexpr (Cfg::ABS_U8)
-            asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r_abs[mt][0]), "=r"(r_abs[mt][1]) : "r"(s_abs));
-        else
-            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(r_abs[mt][0]), "=r"(r_abs[mt][1]), "=r"(r_abs[mt][2]), "=r"(r_abs[mt][3])
-                         : "r"(s_abs));
-    }
+    for (int mt = 0; mt < Cfg::MT; mt++) read_unit_from_stage<Cfg>(r_w[mt], r_abs[mt], s_w, mt, lane);
 #define KBIT_WIDE_BLOCK(BLK)                                                                                    \
     {                                                                                                           \
         uint4 r_b[Cfg::MB];                                                                                     \
@@ -1000,12 +972,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wide_kernel(const K
     const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
 
     float acc[Cfg::MT][Cfg::MB][4];
-#pragma unroll
-    for (int mt = 0; mt < Cfg::MT; mt++)
-#pragma unroll
-        for (int mb = 0; mb < Cfg::MB; mb++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[mt][mb][r] = 0.0f;
+    zero_acc<Cfg>(acc);
 
     StreamCursor<Cfg> cur;
     cur.init(p, n16_base, m_base, k_begin, lane);

@@ -15,6 +15,8 @@ requires_cuda = pytest.mark.skipif(
     not cuda_ready(),
     reason="needs a CUDA GPU and the native library (libbitsandbytes_kbit_cuda.so)",
 )
+# tests of tensors / models spread over two devices (run on the 2-GPU machine: benchmarking/run_gpu.sh)
+requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (device indices 0 and 1)")
 
 
 def seeded(*parts) -> torch.Generator:

@@ -11,17 +11,16 @@ from bitsandbytes_kbit import cextension
 from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
 
 
+@pytest.mark.skipif(
+    not os.environ.get("KBIT_REQUIRE_NATIVE"),
+    reason="KBIT_REQUIRE_NATIVE unset: a build without nvcc is pure Python by design (CI and run_gpu.sh set it)",
+)
 def test_native_library_present_when_required():
-    if os.environ.get("KBIT_REQUIRE_NATIVE"):
-        assert cextension.is_available(), f"nvcc was present but {cextension.library_path()} was not built"
-    else:
-        assert cextension.is_available() in (True, False)
-        pytest.skip("KBIT_REQUIRE_NATIVE not set: the library is optional here")
+    assert cextension.is_available(), f"nvcc was present but {cextension.library_path()} was not built"
 
 
+@pytest.mark.skipif(not cextension.is_available(), reason="pure-Python install (built without nvcc): no C entry points")
 def test_every_entry_point_is_exported():
-    if not cextension.is_available():
-        pytest.skip("no native library in this install")
     lib = cextension.get_lib()
     names = cuda_ops.entry_point_names()
     assert len(names) >= 72

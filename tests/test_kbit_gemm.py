@@ -9,7 +9,7 @@ the output (one rounding: 2^-11 / 2^-8 relative); relative Frobenius error <= 2e
 
 import pytest
 import torch
-from conftest import seeded
+from conftest import requires_two_gpus, seeded
 
 import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit.backends.default import tiled_layout
@@ -299,9 +299,8 @@ def test_cuda_gemm_opcheck_compile_and_errors():
 
 
 @pytest.mark.cuda
+@requires_two_gpus
 def test_cuda_gemm_second_device():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs a second GPU (device index 1)")
     N, K_dim, k = 576, 576, 4
     packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda:1")
     Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)

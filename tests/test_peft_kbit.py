@@ -7,10 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported; the [test] extra installs it
+import peft
+import transformers
 from conftest import seeded, tiny_llama
 
 from bitsandbytes_kbit import integrations

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import requires_two_gpus, tiny_llama
 from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported; the [test] extra installs it
+import safetensors.torch as safetensors_torch
+import transformers
 
 from bitsandbytes_kbit import integrations
 from bitsandbytes_kbit.integrations import BitsAndBytesKbitConfig
@@ -288,7 +288,7 @@ def test_cuda_quantize_on_load_and_reload(float_dir, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@requires_two_gpus
 def test_cuda_device_map_over_two_gpus(float_dir):
     device_map = {
         "model.embed_tokens": 0,

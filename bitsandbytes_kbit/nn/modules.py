@@ -244,22 +244,15 @@ class LinearKbit(nn.Linear):
 
     @classmethod
     def empty_quantized(
-        cls,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        k: int = 4,
-        codebook: str | torch.Tensor = "nf",
-        compute_dtype: torch.dtype | None = None,
-        device=None,
-        dtype: torch.dtype | None = None,
-        absmax_dtype: torch.dtype = torch.uint8,
+        cls, in_features: int, out_features: int, *, device=None, absmax_dtype: torch.dtype = torch.uint8, **kwargs
     ) -> LinearKbit:
         """A module whose tensors already have the quantized shapes and dtypes (packed weight and absmax
         zeroed): the target of ``load_state_dict`` or, on ``meta``, of a pre-quantized checkpoint load.
+        kwargs: the constructor's other arguments (bias, k, codebook, compute_dtype, dtype).
         device: default ``torch.get_default_device()``."""
         device = torch.device(device) if device is not None else torch.get_default_device()
-        module = cls(in_features, out_features, bias, k, codebook, compute_dtype, device="meta", dtype=dtype)
+        module = cls(in_features, out_features, device="meta", **kwargs)
+        k, codebook = module.k, kwargs.get("codebook", "nf")
         n_words, n_blocks = packed_sizes(k, out_features, in_features)
         module.weight = nn.Parameter(torch.empty(n_words, dtype=torch.int32, device="meta"), requires_grad=False)
         module.absmax = torch.empty(n_blocks, dtype=absmax_dtype, device="meta")

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <random>
 #include <string>
 #include <vector>
@@ -93,8 +94,11 @@ struct QW {
     std::vector<uint16_t> abs_f16;
     std::vector<float> cb, wdeq;
 };
-static uint16_t h_bits(float v) {
-    __half h = __float2half(v);
+// 16-bit storage <-> float for fp16 (H = __half) and bf16 (H = __nv_bfloat16), on the host
+template <typename H> static uint16_t bits16(float v) {
+    H h;
+    if constexpr (std::is_same<H, __half>::value) h = __float2half(v);
+    else h = __float2bfloat16(v);
     uint16_t b;
     memcpy(&b, &h, 2);
     return b;
@@ -104,18 +108,14 @@ static float h_val(uint16_t b) {
     memcpy(&h, &b, 2);
     return __half2float(h);
 }
-static uint16_t bf_bits(float v) {
-    __nv_bfloat16 h = __float2bfloat16(v);
-    uint16_t b;
-    memcpy(&b, &h, 2);
-    return b;
-}
 static float bf_val(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
+static uint16_t h_bits(float v) { return bits16<__half>(v); }
+static uint16_t bf_bits(float v) { return bits16<__nv_bfloat16>(v); }
 static QW quantize(int N, int K, int k, int L, bool u8, std::mt19937& rng) {
     QW q;
     q.N = N; q.K = K; q.k = k; q.L = L; q.u8 = u8;
@@ -335,6 +335,33 @@ template <class F> static float time_us(F&& launch, int copies) {
     return median(ts);
 }
 
+// Random tiled weights for timing only (random bits, absmax random E4M4 codes 0x60..0x8f), in
+// enough copies that one rotation touches > 3x the L2, and the k-bit NF codebook on the device.
+struct RandomTiled {
+    std::vector<int*> P;
+    std::vector<uint8_t*> S;
+    float* codebook;
+};
+static RandomTiled random_tiled(int N, int K, int k, size_t l2_bytes, std::mt19937& rng) {
+    const size_t words = ckbit_tiled_words(k, N, K), nabs = ckbit_tiled_absmax(N, K);
+    const int copies = std::max(2, (int)(3 * l2_bytes / (words * 4 + nabs)) + 1);
+    RandomTiled w{std::vector<int*>(copies), std::vector<uint8_t*>(copies), nullptr};
+    std::vector<uint32_t> hw(words);
+    std::vector<uint8_t> hs(nabs);
+    for (auto& x : hw) x = rng();
+    for (auto& x : hs) x = 0x60 + (rng() % 48);
+    for (int c = 0; c < copies; c++) {
+        CK(cudaMalloc(&w.P[c], words * 4));
+        CK(cudaMalloc(&w.S[c], nabs));
+        CK(cudaMemcpy(w.P[c], hw.data(), words * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(w.S[c], hs.data(), nabs, cudaMemcpyHostToDevice));
+    }
+    const std::vector<float> hcb = make_codebook(k, 1 << k);
+    CK(cudaMalloc(&w.codebook, hcb.size() * 4));
+    CK(cudaMemcpy(w.codebook, hcb.data(), hcb.size() * 4, cudaMemcpyHostToDevice));
+    return w;
+}
+
 static void run_bench(bool quick) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -383,25 +410,11 @@ static void run_bench(bool quick) {
         for (auto p : W16) cudaFree(p);
         for (int k : ks) {
             // random packed weights (timing only; content is random bits, absmax random E4M4 codes)
-            const size_t words = ckbit_tiled_words(k, N, K), nabs = ckbit_tiled_absmax(N, K);
-            const size_t wb = words * 4 + nabs;
-            const int copies = std::max(2, (int)(3 * l2 / wb) + 1);
-            std::vector<int*> P(copies);
-            std::vector<uint8_t*> S(copies);
-            std::vector<uint32_t> hw(words);
-            std::vector<uint8_t> hs(nabs);
-            for (auto& x : hw) x = rng();
-            for (auto& x : hs) x = 0x60 + (rng() % 48);
-            for (int c = 0; c < copies; c++) {
-                CK(cudaMalloc(&P[c], words * 4));
-                CK(cudaMalloc(&S[c], nabs));
-                CK(cudaMemcpy(P[c], hw.data(), words * 4, cudaMemcpyHostToDevice));
-                CK(cudaMemcpy(S[c], hs.data(), nabs, cudaMemcpyHostToDevice));
-            }
-            std::vector<float> hcb = make_codebook(k, 1 << k);
-            float* dcb;
-            CK(cudaMalloc(&dcb, hcb.size() * 4));
-            CK(cudaMemcpy(dcb, hcb.data(), hcb.size() * 4, cudaMemcpyHostToDevice));
+            const RandomTiled w = random_tiled(N, K, k, l2, rng);
+            const int copies = (int)w.P.size();
+            const std::vector<int*>& P = w.P;
+            const std::vector<uint8_t*>& S = w.S;
+            float* dcb = w.codebook;
             GemmFn fn = gemm_fn(k, false, true);
             for (size_t mi = 0; mi < Ms.size(); mi++) {
                 const int M = Ms[mi];
@@ -473,24 +486,12 @@ static int repack_check(const char* dir) {
 static void sweep_configs(int N, int K, int M, int k, int reps_only_dispatch) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    const size_t words = ckbit_tiled_words(k, N, K), nabs = ckbit_tiled_absmax(N, K);
-    const int copies = std::max(2, (int)(3 * prop.l2CacheSize / (words * 4 + nabs)) + 1);
-    std::vector<int*> P(copies);
-    std::vector<uint8_t*> S(copies);
     std::mt19937 rng(7);
-    std::vector<uint32_t> hw(words);
-    std::vector<uint8_t> hs(nabs);
-    for (auto& x : hw) x = rng();
-    for (auto& x : hs) x = 0x60 + (rng() % 48);
-    for (int c = 0; c < copies; c++) {
-        CK(cudaMalloc(&P[c], words * 4)); CK(cudaMalloc(&S[c], nabs));
-        CK(cudaMemcpy(P[c], hw.data(), words * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(S[c], hs.data(), nabs, cudaMemcpyHostToDevice));
-    }
-    std::vector<float> hcb = make_codebook(k, 1 << k);
-    float* dcb;
-    CK(cudaMalloc(&dcb, hcb.size() * 4));
-    CK(cudaMemcpy(dcb, hcb.data(), hcb.size() * 4, cudaMemcpyHostToDevice));
+    const RandomTiled w = random_tiled(N, K, k, prop.l2CacheSize, rng);
+    const int copies = (int)w.P.size();
+    const std::vector<int*>& P = w.P;
+    const std::vector<uint8_t*>& S = w.S;
+    float* dcb = w.codebook;
     __half *A, *C;
     CK(cudaMalloc(&A, (size_t)M * K * 2)); CK(cudaMalloc(&C, (size_t)M * N * 2));
     CK(cudaMemset(A, 0x11, (size_t)M * K * 2));

@@ -9,9 +9,10 @@ import torch
 from ..._ops import (
     SUPPORTED_K,
     check_dequantize_args,
+    check_dequantize_out_args,
     check_dequantize_tiled_args,
     check_gemm_args,
-    check_out,
+    check_gemm_out_args,
     check_quantize_args,
     check_repack_args,
     num_blocks,
@@ -124,17 +125,8 @@ def _(
 
 
 @register_kernel("bitsandbytes::dequantize_kbit.out", "cuda")
-def _(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    codebook: torch.Tensor,
-    k: int,
-    n: int,
-    dtype: torch.dtype,
-    out: torch.Tensor,
-) -> None:
-    check_dequantize_args(packed, absmax, codebook, k, n, dtype)
-    check_out("dequantize_kbit", out, (n,), dtype, packed.device)
+def _(packed, absmax, codebook, k: int, n: int, dtype: torch.dtype, out: torch.Tensor) -> None:
+    check_dequantize_out_args(packed, absmax, codebook, k, n, dtype, out)
     _dequantize(packed, absmax, codebook, k, n, dtype, out)
 
 
@@ -313,6 +305,5 @@ def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias=None) ->
 
 @register_kernel("bitsandbytes::kbit_gemm.out", "cuda")
 def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
-    check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
-    check_out("kbit_gemm", out, (*A.shape[:-1], N), A.dtype, A.device)
+    check_gemm_out_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias, out)
     kbit_gemm_cuda(A, B_packed, B_absmax, codebook.contiguous(), k, N, K_dim, bias, out)

@@ -21,9 +21,10 @@ import torch
 from ..._ops import (
     BLOCKSIZE,
     check_dequantize_args,
+    check_dequantize_out_args,
     check_dequantize_tiled_args,
     check_gemm_args,
-    check_out,
+    check_gemm_out_args,
     check_quantize_args,
     check_repack_args,
     num_blocks,
@@ -154,17 +155,8 @@ def _(
 
 
 @register_kernel("bitsandbytes::dequantize_kbit.out", "default")
-def _(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    codebook: torch.Tensor,
-    k: int,
-    n: int,
-    dtype: torch.dtype,
-    out: torch.Tensor,
-) -> None:
-    check_dequantize_args(packed, absmax, codebook, k, n, dtype)
-    check_out("dequantize_kbit", out, (n,), dtype, packed.device)
+def _(packed, absmax, codebook, k: int, n: int, dtype: torch.dtype, out: torch.Tensor) -> None:
+    check_dequantize_out_args(packed, absmax, codebook, k, n, dtype, out)
     out.copy_(dequantize_kbit_impl(packed, absmax, codebook, k, n, dtype))
 
 
@@ -202,8 +194,7 @@ def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias=None) ->
 
 @register_kernel("bitsandbytes::kbit_gemm.out", "default")
 def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
-    check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
-    check_out("kbit_gemm", out, (*A.shape[:-1], N), A.dtype, A.device)
+    check_gemm_out_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias, out)
     out.copy_(kbit_gemm_impl(A, B_packed, B_absmax, codebook, k, N, K_dim, bias))
 
 
