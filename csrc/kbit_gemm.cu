@@ -30,32 +30,44 @@ static bool check_launch(const char* what) {
 //   id  MB MT WARPS_N WARPS_K   reason
 // ---------------------------------------------------------------------------------------------
 #define KBIT_CONFIG_TABLE(X)                                                                                         \
-    X(0, 1, 2, 2, 4) /* M <= 4: one token tile, A in the ring, 2 units per warp (2.75 KB per k-step at k=4)  */ \
-    X(1, 2, 2, 2, 4) /* 4 < M <= 16: 2 token tiles share each dequantized fragment, A in registers         */ \
-    X(2, 4, 2, 4, 1) /* 16 < M <= WIDE_MIN_M: 4 token tiles (best of the three at M = 64)                    */
-// config 3 = KbitWideConfig (8 token tiles per warp, CTA-shared A ring, 256 x 64 CTA tile): M > WIDE_MIN_M
+    X(0, 1, 2, 2, 4) /* small weights, M <= 4: one token tile, A in the ring, 2 units per warp              */ \
+    X(1, 2, 2, 2, 4) /* small weights, 4 < M <= 16: 2 token tiles share each fragment, A in registers      */
+// Shared-A configs (KbitSharedAConfig: 8 warps along n, the A tile of a k-step in one CTA ring):
+//   id  MB MT CTAs/SM   reason
+#define KBIT_SHARED_A_TABLE(X)                                                                                       \
+    X(2, 1, 2, 2) /* M <= 8:        256 x 8 CTA tile, 112 KB                                             */      \
+    X(3, 2, 2, 2) /* 8 < M <= 16:   256 x 16                                                                */      \
+    X(4, 4, 2, 2) /* M > 16:        256 x 32 (and M > 32 when the wide tiles would not fill 1/8 of the SMs) */      \
+    X(5, 8, 2, 1) /* M > 32 ("wide"): 256 x 64, 226 KB (sm_90)                                               */
 
-constexpr int NUM_CONFIGS = 4;
-constexpr int WIDE_CONFIG = 3;
+constexpr int NUM_CONFIGS = 6;
+constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
+constexpr int WIDE_CONFIG = 5;            // MB = 8
 
 struct ConfigInfo {
     int mb, mt, warps_n, warps_k;
+    int shared_a_ctas; // shared-A configs: CTAs per SM; 0 for configs 0-1
     int tile_m() const { return 8 * mb; }
     int tile_n() const { return UNIT_ROWS * mt * warps_n; }
-    bool wide() const { return mb == 8; }
-    // = KbitGemmConfig::CTAS_PER_SM; the wide config's 226 KB takes the SM alone
-    int ctas_per_sm() const { return wide() || warps_n * warps_k >= 16 ? 1 : 2; }
+    // = KbitGemmConfig::CTAS_PER_SM / KbitSharedAConfig::SHARED_A_CTAS_PER_SM
+    int ctas_per_sm() const {
+        if (shared_a_ctas) return shared_a_ctas;
+        return warps_n * warps_k >= 16 ? 1 : 2;
+    }
 };
 
 static ConfigInfo config_info(int id) {
-    if (id == WIDE_CONFIG) return ConfigInfo{8, 2, 8, 1};
     switch (id) {
 #define KBIT_INFO(ID, MB, MT, WN, WK)                                                                                \
-    case ID: return ConfigInfo{MB, MT, WN, WK};
+    case ID: return ConfigInfo{MB, MT, WN, WK, 0};
         KBIT_CONFIG_TABLE(KBIT_INFO)
 #undef KBIT_INFO
+#define KBIT_SHARED_A_INFO(ID, MB, MT, CTAS)                                                                         \
+    case ID: return ConfigInfo{MB, MT, 8, 1, CTAS};
+        KBIT_SHARED_A_TABLE(KBIT_SHARED_A_INFO)
+#undef KBIT_SHARED_A_INFO
     }
-    return ConfigInfo{1, 1, 1, 1};
+    return ConfigInfo{1, 1, 1, 1, 0};
 }
 
 static int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
@@ -74,17 +86,29 @@ static int device_smem_optin() {
 // ---------------------------------------------------------------------------------------------
 // Dispatch: the ONE place that maps a problem to a kernel config and a split count.
 // ---------------------------------------------------------------------------------------------
-// Thresholds (first guesses from the design estimates; to be re-derived from the harness table):
-constexpr int SMALL_M_MAX = 4;                   // A in the ring (config 0/3); H200 M=8: config 1 24.4 us vs 0 27.7 us
-constexpr int MID_M_MAX = 16;                    // two n8 token tiles
-constexpr int WIDE_MIN_M = 32;                   // above: the wide path (config 3) on GPUs with 226 KB smem/CTA
+// Measured on H200, fp16, k = 4 unless named (dev/probe_paths.py; us, config numbers as in the tables):
+//   shared-A vs the per-warp ring: 14336 x 4096 M=4: 2 18.7 vs 0 22.5;  M=16: 3 22.0 vs 1 28.7;
+//     M=32: 4 27.1 vs the old MB-4 per-warp config 45.8 (removed: never faster);  k = 2 M=1: 2 16.0 vs 0 19.0
+//   small weights want the 64-row CTAs of configs 0-1 (4 warps per k range, 4x the CTAs):
+//     1024 x 4096 M=1: 0 6.2 vs 2 7.3;  M=16: 1 7.4 vs 3 9.2.  4096 x 4096 (16 tiles x 32 k-steps) M=16:
+//     1 12.4 vs 3 13.0; but 4096 x 14336 (16 x 112) M=4: 2 18.4 vs 0 20.6
+//   MB = 1 with 128-row CTAs, three per SM (24 warps): 1-6% slower than config 2 on every large shape
+//   k = 5 at M <= 2 (4-copy pair table): 0 27.8 vs 2 28.6 (14336 x 4096), 80.1 vs 86.5 (8192 x 28672);
+//     M = 2, 28672 x 8192: 91.8 vs 97.3
+//   M > 32 with few wide tiles: 1024 x 4096 M=64: 4 14.2 vs 5 19.7; 4096 x 4096 M=64: 21.4 vs 22.1,
+//     M=128 (32 tiles): 28.8 vs 27.5.  M=128 with split-K in the wide config: 4096 x 14336 65.2 us
+//     (the MB-4 per-warp config without enough tiles: 139.8)
+// A shared-A config (and the wide tile over the 32-token one) is taken when its CTA tiles x k-steps
+// >= 6 x SMs: enough work per SM that split-K keeps the 256-row CTAs busy. 4096 x 4096 (512) stays
+// below, 4096 x 4096 M=128 (1024) and 4096 x 14336 M=64 (1792; wide 41.1 vs 44.6) above.
+constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
+constexpr int PER_WARP_SMALL_M_MAX = 4;  // configs 0 (A in the ring) up to here, then 1
+constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
-                                                 // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS) and
-                                                 // config 2 had 32 (N = 1024: 0.14x); benchmarking/results
+                                                 // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS)
 constexpr int MIN_STEPS_PER_WARP = 1;            // a warp streams at least 1 k-step of 128: with 2, N=1024 K=4096
                                                  // got 4 splits (64 CTAs); with 1, 8 (H200, M=16 k=5: 9.2 -> 7.7 us)
 constexpr int MAX_SPLITS = 16;
-constexpr int WIDE_ALWAYS_MAX_M = 64;            // up to here the wide config is taken whatever N (split-K fills the GPU)
 constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)
 // The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
 // (A counter region sized per call let one call's partial sums land where a later call with more
@@ -121,20 +145,18 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 }
 
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
-    (void)k_bits; // every config exists for every k; measured best config did not depend on k (H200 sweep)
-    int config;
-    if (M <= SMALL_M_MAX)
-        config = 0;
-    else if (M <= MID_M_MAX)
-        config = 1;
-    else if (M > WIDE_MIN_M && device_smem_optin() >= 226 * 1024 &&
-             (M <= WIDE_ALWAYS_MAX_M || 3LL * ceil_div(ceil_div(N, UNIT_ROWS), 16) * ceil_div(M, 64) >= sm_count))
-        // M <= 64: split-K fills the GPU. Larger M does not split: it needs >= a third of a wave of
-        // 256 x 64 tiles. H200, k = 4: N=4096 K=4096 M=256 (64 CTAs) wide 62.3 us vs config 2 78.7;
-        // N=14336 K=4096 M=128 63.7 vs 162.4; M=64 N=14336 K=4096 (no split) 61.8 vs 80.7.
-        config = WIDE_CONFIG;
-    else
-        config = 2;
+    const long long sms = sm_count > 0 ? sm_count : 1;
+    const auto tiles = [&](int config) {
+        const ConfigInfo c = config_info(config);
+        return (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m());
+    };
+    const long long k_steps = ceil_div(K_dim, UNIT_K);
+    const auto enough_work = [&](int config) { return tiles(config) * k_steps >= SHARED_A_MIN_STEPS_PER_SM * sms; };
+    int config = FIRST_SHARED_A_CONFIG + (M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3);
+    if (config == WIDE_CONFIG && (device_smem_optin() < 226 * 1024 || !enough_work(config)))
+        config = WIDE_CONFIG - 1; // 32-token tiles: twice the CTAs, 112 KB
+    if (M <= PER_WARP_MAX_M && (!enough_work(config) || (k_bits == 5 && M <= 2)))
+        config = M <= PER_WARP_SMALL_M_MAX ? 0 : 1;
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }
 
@@ -195,19 +217,19 @@ static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     check_launch("ckbit_gemm");
 }
 
-template <class Cfg, typename T> static void launch_wide(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
-    if (Cfg::WIDE_SMEM_BYTES > device_smem_optin()) {
-        set_error("ckbit_gemm", "the wide config needs more shared memory per block than the device allows");
+template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
+    if (Cfg::SHARED_A_SMEM_BYTES > device_smem_optin()) {
+        set_error("ckbit_gemm", "this shared-A config needs more shared memory per block than the device allows");
         return;
     }
     static bool s_attr_set[64] = {};
-    if (!allow_dynamic_smem(kbit_gemm_wide_kernel<Cfg, T>, Cfg::WIDE_SMEM_BYTES, s_attr_set)) return;
+    if (!allow_dynamic_smem(kbit_gemm_shared_a_kernel<Cfg, T>, Cfg::SHARED_A_SMEM_BYTES, s_attr_set)) return;
     p.k_splits = k_splits;
     p.ks_per_split = ceil_div(p.k_steps, k_splits);
     p.a_rows = Cfg::TILE_M;
     const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N), k_splits, ceil_div(p.M, Cfg::TILE_M));
-    kbit_gemm_wide_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::WIDE_SMEM_BYTES, stream>>>(p);
-    check_launch("ckbit_gemm wide");
+    kbit_gemm_shared_a_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SHARED_A_SMEM_BYTES, stream>>>(p);
+    check_launch("ckbit_gemm shared-A");
 }
 
 template <int K_BITS, typename T, bool ABS_U8>
@@ -267,7 +289,10 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     case ID: launch_gemm<KbitGemmConfig<K_BITS, MB, MT, WN, WK, ABS_U8>, T>(p, d.k_splits, stream); break;
         KBIT_CONFIG_TABLE(KBIT_LAUNCH)
 #undef KBIT_LAUNCH
-    case WIDE_CONFIG: launch_wide<KbitWideConfig<K_BITS, ABS_U8>, T>(p, d.k_splits, stream); break;
+#define KBIT_LAUNCH_SHARED_A(ID, MB, MT, CTAS)                                                                       \
+    case ID: launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8>, T>(p, d.k_splits, stream); break;
+        KBIT_SHARED_A_TABLE(KBIT_LAUNCH_SHARED_A)
+#undef KBIT_LAUNCH_SHARED_A
     }
 }
 

@@ -17,9 +17,11 @@
 //      CTA   = WARPS_N x WARPS_K warps: along n different rows (same A), along k contiguous chunks of
 //              the CTA's k-steps, reduced in shared memory at the end
 //      grid  = (n_ctas, k_splits, m_tiles); k_splits > 1 reduces through the workspace (section 5)
-//    Configs (kbit_gemm.cu, one table): 0 = MB 1 (M <= 4), 1 = MB 2 (M <= 16), 2 = MB 4 (M <= 32 or
-//    too few wide tiles): MT = 2, 8 warps (2 x 4; config 2: 4 x 1 warps of MB 4) and
-//    3 = "wide" (M > 32): MB 8, MT 2, 8 warps x 1, CTA tile 256 n x 64 tokens, A shared (section 4).
+//    Configs (kbit_gemm.cu, two tables):
+//      per-warp ring (kbit_gemm_kernel): 0 = MB 1, 1 = MB 2; MT = 2, 8 warps = 2 (n) x 4 (k), 64-row
+//        CTAs: small weights at M <= 16, where 4x the CTAs of the shared-A tile keep the GPU busy
+//      shared-A (kbit_gemm_shared_a_kernel): 2..5 = MB 1, 2, 4, 8; MT = 2, 8 warps along n, 256-row CTAs,
+//        the A tile of a k-step staged once per CTA (section 4); MB 8 ("wide") takes the SM alone
 //          k:  0         128        256   ...      K_pad
 //        n 0   +----------+----------+----
 //              | unit     | unit     |      config 0 CTA: rows 0..63 = warps wn 0,1 (32 rows each);
@@ -50,12 +52,12 @@
 //    stages-1 k-steps are in flight while one is dequantized. MB = 1: the A rows of the k-step travel
 //    in the same ring stage (each lane copies the 16-byte pieces it reads; k >= K_dim zero-filled);
 //    MB >= 2: A is loaded into registers one k-step ahead (L1 shared by the WARPS_N warps).
-//    Wide config: the weight rings as above, plus ONE A ring per CTA ([64 tokens][128 k], rows padded
-//    to 320 B so the LDS.128 fragment reads are conflict-free), one __syncthreads per k-step
-//    (wait step i, barrier, refill the slot of step i-1, compute step i). Each dequantized fragment
-//    feeds 8 MMAs.
+//    Shared-A configs: the weight rings as above, plus ONE A ring per CTA ([8*MB tokens][128 k], rows
+//    padded to 320 B so the LDS.128 fragment reads are conflict-free), one __syncthreads per k-step
+//    (wait step i, barrier, refill the slot of step i-1, compute step i); 2-4 stages in 112 KB (MB
+//    1-4, two CTAs per SM) or 226 KB (MB 8). Each dequantized fragment feeds MB MMAs.
 //
-// 5. Work decomposition and split-K (configs 0-2, M <= 64 only; the wide config never splits)
+// 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1)
 //    k-steps of grid split s: [s*ks_per_split, ...); inside: WARPS_K contiguous chunks.
 //    Example K_pad = 4096 (32 k-steps), k_splits = 2, WARPS_K = 4: split 0 = steps 0..15, warp
 //    wk = 0..3 gets steps 4wk..4wk+3 of it. Epilogue: warps wk > 0 write fp32 partials to smem, warp
@@ -70,8 +72,8 @@
 // 6. Invariants: K_dim % 32 == 0, M, N >= 1, lda >= K_dim (launcher); tiled N padded to 16 and K to
 //    128 with zero absmax (repack); A beyond K_dim is zero-filled, A rows >= M and weight rows >= N
 //    only ever feed output elements that are not stored; B_packed 16-byte aligned (cudaMalloc);
-//    A may have any alignment / lda (16-bit load fallback). Smem: configs 0-2 <= 112 KB (two CTAs
-//    per SM on sm_80/sm_90), wide 226 KB (sm_90 only: the dispatcher checks the device opt-in limit).
+//    A may have any alignment / lda (16-bit load fallback). Smem: configs 0-4 <= 112 KB (two CTAs
+//    per SM on sm_90), wide 226 KB (sm_90 only: the dispatcher checks the device opt-in limit).
 //
 // 7. Why (estimates first, then measurements; tables in dev/gemm_harness/NOTES.md)
 //    M = 1 on H100: ~3.35 TB/s HBM vs ~132 SMs x 4 x 32 lanes x 1.75 GHz = 30e12 lane-ops/s; k = 4
@@ -94,9 +96,14 @@
 //      fewer instructions, not faster (N=14336 K=4096: 23.6 vs 20.8 us, 1.7 waves at one CTA per SM;
 //      N=8192 K=28672: 50.0 vs 52.2 us). Removed.
 //    - 32-row CTAs for small weights: no gain (N=4096 K=4096: 11.9 vs 10.9 us). Removed.
-//    - M >= 128 on config 2 (4 token tiles, A in registers): 0.13x cuBLAS; the wide config is 2.5x
-//      faster (N=14336 K=4096 M=4096: 1672 vs 4086 us) but still 0.37x cuBLAS: a dequantize-to-smem
-//      + ldmatrix tile kernel (or wgmma) is the open item for large M.
+//    - A in registers for 4 token tiles per warp (a former config): 0.13x cuBLAS at M >= 128, and at
+//      M = 32 slower than the 32-token shared-A tile (N=14336 K=4096: 45.8 vs 27.1 us). Per-warp
+//      register A also lost to shared A at M = 5..16 on large weights (28.7 vs 22.0 us): each warp
+//      loaded 16 bytes per token tile and block through L1, twice the weight bytes at M = 16.
+//    - MB = 1 with 128-row CTAs, three per SM (24 warps, 73 KB each): 1-6% slower than two 256-row
+//      CTAs per SM, so occupancy is not what bounds M = 1.
+//    - the wide config reaches 0.37x cuBLAS at M = 4096; above 256 tokens the staged path (dequantize
+//      + cuBLAS, backends/cuda/ops.py) runs instead.
 //
 // Naming: g_ global, s_ shared, r_ registers; frag_a (weights), frag_b (acts), acc.
 // ============================================================================================
@@ -879,26 +886,33 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 
 
 // ---------------------------------------------------------------------------------------------
-// Wide path (M > 64): the same per-warp weight stream and LUT dequant, but 8 token tiles per warp
-// (TILE_M = 64) and the A tile of each k-step staged ONCE per CTA in a shared cp.async ring (all warps
-// use the same k-step, so the CTA is synchronized once per k-step). Each dequantized fragment feeds
-// 8 MMAs instead of 1-4, and A is read from smem (LDS.128, rows padded to 320 bytes: conflict-free).
-// Split-K only for M <= 64 (one 64-token tile), through the same workspace slots as configs 0-2.
+// Shared-A path: the same per-warp weight stream and LUT dequant, but the A tile of each k-step is
+// staged ONCE per CTA in a shared cp.async ring (all 8 warps, along n, use the same k-step, so the CTA
+// is synchronized once per k-step) and read with LDS.128 (rows padded to 320 bytes: conflict-free).
+// MB = 8 ("wide", TILE_M = 64, 226 KB: one CTA per SM, sm_90) serves M > 32; MB = 1, 2, 4 (TILE_M =
+// 8, 16, 32, 112 KB: two CTAs per SM) serve M <= 32 on all but small weights. Each dequantized
+// fragment feeds MB MMAs. Split-K up to M = 256, through the same workspace slots as configs 0-1.
 // ---------------------------------------------------------------------------------------------
-template <int K_BITS_, bool ABS_U8_> struct KbitWideConfig : KbitGemmConfig<K_BITS_, 8, 2, 8, 1, ABS_U8_> {
-    using Base = KbitGemmConfig<K_BITS_, 8, 2, 8, 1, ABS_U8_>;
+template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_>
+struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_> {
+    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_>;
     static constexpr int A_ROW_BYTES = 2 * UNIT_K + 64; // 256 + 64 pad: 8 rows of a phase hit distinct banks
     static constexpr int A_STAGE_WORDS = Base::TILE_M * A_ROW_BYTES / 4;
     static constexpr int W_STAGE_WORDS = Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS; // per warp
-    static constexpr int WIDE_BUDGET_BYTES = 226 * 1024;                              // one CTA per SM (sm_90)
-    static constexpr int WIDE_STAGES_FIT =
-        (WIDE_BUDGET_BYTES / 4 - Base::LUT_WORDS) / (A_STAGE_WORDS + Base::WARPS * W_STAGE_WORDS);
-    static constexpr int WIDE_STAGES = WIDE_STAGES_FIT > 4 ? 4 : WIDE_STAGES_FIT;
-    static_assert(WIDE_STAGES >= 3, "the shared ring wants >= 3 stages (one barrier per k-step)");
-    static constexpr int WIDE_SMEM_BYTES =
-        4 * (Base::LUT_WORDS + WIDE_STAGES * (A_STAGE_WORDS + Base::WARPS * W_STAGE_WORDS));
-    static constexpr int A_CHUNKS_PER_THREAD = Base::TILE_M * (UNIT_K / 8) / Base::THREADS; // 16-byte chunks
-    static_assert(Base::TILE_M * (UNIT_K / 8) % Base::THREADS == 0, "A tile chunks spread evenly");
+    static constexpr int SHARED_A_CTAS_PER_SM = CTAS_PER_SM_;
+    static_assert(CTAS_PER_SM_ == 1 || CTAS_PER_SM_ == 2, "one CTA per SM (226 KB, sm_90) or two (112 KB)");
+    static constexpr int SHARED_A_BUDGET_BYTES = CTAS_PER_SM_ == 1 ? 226 * 1024 : 112 * 1024;
+    static constexpr int SHARED_A_STAGES_FIT =
+        (SHARED_A_BUDGET_BYTES / 4 - Base::LUT_WORDS) / (A_STAGE_WORDS + Base::WARPS * W_STAGE_WORDS);
+    static constexpr int SHARED_A_STAGES = SHARED_A_STAGES_FIT > 4 ? 4 : SHARED_A_STAGES_FIT;
+    // 2 stages still overlap (the barrier of step i frees the slot of step i-1 for step i+1) but keep one
+    // k-step in flight; MB = 4 at k >= 4 (and fp16 absmax at MB = 2) only fit 2 in 112 KB
+    static_assert(SHARED_A_STAGES >= 2, "the shared ring needs >= 2 stages (one barrier per k-step)");
+    static constexpr int SHARED_A_SMEM_BYTES =
+        4 * (Base::LUT_WORDS + SHARED_A_STAGES * (A_STAGE_WORDS + Base::WARPS * W_STAGE_WORDS));
+    static constexpr int A_CHUNKS = Base::TILE_M * (UNIT_K / 8); // 16-byte chunks of one A stage
+    static constexpr int A_CHUNKS_PER_THREAD = (A_CHUNKS + Base::THREADS - 1) / Base::THREADS;
+    static_assert(A_CHUNKS % Base::THREADS == 0 || A_CHUNKS < Base::THREADS, "A tile chunks spread evenly");
 };
 
 // cooperative copy of the A tile [TILE_M tokens][128 k] of one k-step into the shared ring
@@ -908,6 +922,7 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
 #pragma unroll
     for (int j = 0; j < Cfg::A_CHUNKS_PER_THREAD; j++) {
         const int c = threadIdx.x + j * Cfg::THREADS;
+        if (Cfg::A_CHUNKS < Cfg::THREADS && c >= Cfg::A_CHUNKS) break; // MB = 1: half the threads copy
         const int row = c / (UNIT_K / 8), piece = c % (UNIT_K / 8);
         const int m = m_base + row, k = kstep * UNIT_K + piece * 8;
         const bool ok = m < p.M && k < p.K_dim; // zero fill: padded k must be 0, rows >= M are unstored
@@ -923,7 +938,7 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
 
 // dequant + MMA of one k-step: weights from this warp's ring slot, A from the shared slot
 template <class Cfg, typename T>
-__device__ __forceinline__ void compute_stage_wide(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t s_w, uint32_t s_a,
+__device__ __forceinline__ void compute_stage_shared_a(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t s_w, uint32_t s_a,
                                                    uint32_t s_lut, uint32_t lane_off, int lane) {
     using F = typename Cfg::Fmt;
     const int g = lane / 4, t = lane % 4;
@@ -931,7 +946,7 @@ __device__ __forceinline__ void compute_stage_wide(float (&acc)[Cfg::MT][Cfg::MB
     uint32_t r_abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++) read_unit_from_stage<Cfg>(r_w[mt], r_abs[mt], s_w, mt, lane);
-#define KBIT_WIDE_BLOCK(BLK)                                                                                    \
+#define KBIT_SHARED_A_BLOCK(BLK)                                                                                    \
     {                                                                                                           \
         uint4 r_b[Cfg::MB];                                                                                     \
         _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) asm volatile(                                    \
@@ -950,14 +965,14 @@ __device__ __forceinline__ void compute_stage_wide(float (&acc)[Cfg::MT][Cfg::MB
             }                                                                                                   \
         }                                                                                                       \
     }
-    KBIT_WIDE_BLOCK(0) KBIT_WIDE_BLOCK(1) KBIT_WIDE_BLOCK(2) KBIT_WIDE_BLOCK(3)
-#undef KBIT_WIDE_BLOCK
+    KBIT_SHARED_A_BLOCK(0) KBIT_SHARED_A_BLOCK(1) KBIT_SHARED_A_BLOCK(2) KBIT_SHARED_A_BLOCK(3)
+#undef KBIT_SHARED_A_BLOCK
 }
 
 template <class Cfg, typename T>
-__global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wide_kernel(const KbitGemmParams p) {
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_gemm_shared_a_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
-    constexpr int S = Cfg::WIDE_STAGES;
+    constexpr int S = Cfg::SHARED_A_STAGES;
     uint32_t* s_lut_ptr = s_mem;                                  // [LUT_ENTRIES][LUT_COPIES]
     const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_mem);
     const uint32_t s_a_ring = s_lut + 4 * Cfg::LUT_WORDS;         // [S][TILE_M][A_ROW_BYTES]
@@ -997,11 +1012,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wide_kernel(const K
         }
         cp_async_commit();
         const int st = i % S;
-        compute_stage_wide<Cfg, T>(acc, s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, s_a_ring + 4 * st * Cfg::A_STAGE_WORDS,
+        compute_stage_shared_a<Cfg, T>(acc, s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, s_a_ring + 4 * st * Cfg::A_STAGE_WORDS,
                                    s_lut, lane_off, lane);
     }
     cp_async_wait<0>();
-    if (p.k_splits > 1) { // M <= 64 with few n tiles: same deterministic slot reduction as configs 0-2
+    if (p.k_splits > 1) { // M <= 256 with few n tiles: same deterministic slot reduction as configs 0-2
         __syncthreads();
         const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
         if (!reduce_split_k<Cfg>(acc, p, tile_id, warp, true, lane, &s_flag)) return;
