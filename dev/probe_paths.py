@@ -12,10 +12,26 @@ import torch
 import torch.nn.functional as torch_F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarking"))
-from timing import copies_to_defeat_l2, median_us_graph  # noqa: E402
+from timing import copies_to_defeat_l2, median_us_graph
 
-import bitsandbytes_kbit.functional as F  # noqa: E402
-from bitsandbytes_kbit.backends.cuda.ops import gemm_num_configs, kbit_gemm_cuda  # noqa: E402
+import bitsandbytes_kbit.functional as F
+from bitsandbytes_kbit.backends.cuda.ops import gemm_num_configs, kbit_gemm_cuda
+
+
+def time_path(As, copies, cb, k, N, K, out, ref, **kw) -> str:
+    """Median us of one kbit_gemm_cuda path over rotated copies, and its error against ref."""
+
+    def run(i):
+        Bp, Ba = copies[i % len(copies)]
+        kbit_gemm_cuda(As[i % len(As)], Bp, Ba, cb, k, N, K, None, out, **kw)
+
+    try:
+        t = median_us_graph(run, rotate=max(len(As), len(copies)), iters=20)
+    except Exception as exc:  # noqa: BLE001  (a config the device cannot run is reported, not fatal)
+        return f"fail:{type(exc).__name__}"
+    run(0)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    return f"{t:7.1f}" + ("" if err < 5e-3 else f"(ERR {err:.1e})")
 
 
 def main():
@@ -43,27 +59,17 @@ def main():
                 As = [torch.randn(M, K, device="cuda").to(dtype) for _ in range(na)]
                 out = torch.empty(M, N, device="cuda", dtype=dtype)
                 ref = torch_F.linear(As[0], F.dequantize_kbit(packed, absmax, cb, k, N * K, dtype).view(N, K))
-                cells = []
-                t16 = median_us_graph(lambda i: torch_F.linear(As[i % na], w_copies[i % len(w_copies)]),
-                                      rotate=max(na, len(w_copies)), iters=20)
-                cells.append(f"fp16={t16:7.1f}")
-                variants = [(f"c{c}", dict(config=c)) for c in configs] + [("auto", {})]
+                t16 = median_us_graph(
+                    lambda i, As=As, Ws=w_copies: torch_F.linear(As[i % len(As)], Ws[i % len(Ws)]),
+                    rotate=max(na, len(w_copies)), iters=20,
+                )
+                cells = [f"fp16={t16:7.1f}"]
+                variants = [(f"c{c}", {"config": c}) for c in configs] + [("auto", {})]
                 if args.staged:
-                    variants.append(("staged", dict(path="staged")))
+                    variants.append(("staged", {"path": "staged"}))
                 for name, kw in variants:
-                    def run(i, kw=kw):
-                        Bpi, Bai = copies[i % len(copies)]
-                        kbit_gemm_cuda(As[i % na], Bpi, Bai, cb, k, N, K, None, out, **kw)
-                    try:
-                        t = median_us_graph(run, rotate=max(na, len(copies)), iters=20)
-                        run(0)
-                        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                        flag = "" if err < 5e-3 else f"(ERR {err:.1e})"
-                        cells.append(f"{name}={t:7.1f}{flag} ({t16 / t:4.2f}x)")
-                    except Exception as exc:  # noqa: BLE001
-                        cells.append(f"{name}=fail:{type(exc).__name__}")
+                    cells.append(f"{name}=" + time_path(As, copies, cb, k, N, K, out, ref, **kw))
                 print(f"{shape:>11} k={k} M={M:<5} " + "  ".join(cells), flush=True)
-            del copies
 
 
 if __name__ == "__main__":
