@@ -38,7 +38,9 @@
 //    elements it dequantizes are 4 "pairs" (k 8t+2p, 8t+2p+1), p = 0..3, of rows g and g+8.
 //    Dequant of a pair: e = LUT index (2*K_BITS bits), one LDS.32 of a half2 {cb[i0]*F, cb[i1]*F}
 //    from a LUT duplicated LUT_COPIES times (copy = lane % LUT_COPIES: bank-conflict free for 32
-//    copies; k = 5 has 1024 entries and 4 copies), then one HMUL2 by the block scale {s, s}.
+//    copies; k = 5 has 1024 entries: 4 copies in configs 0-1, 8 in the shared-A configs, where the
+//    32 KB table still leaves 2-3 ring stages: H200 8192 x 28672 M=1 87.2 -> 82.7 us, M=32 105.7 ->
+//    101.8), then one HMUL2 by the block scale {s, s}.
 //    The repack (TiledFormat) stores each lane's fields so that e is one shift + one LOP3 (k = 2, 4)
 //    or two shifts + two LOP3 (k = 3, 5: a 2-bits-per-element "lo" field + a 1-bit "hi" field).
 //    E4M4 scales need no decode arithmetic: the bits (code << 6) ARE an fp16 equal to absmax / 16
@@ -94,7 +96,9 @@
 //      a check-free path for k-steps inside K_dim takes ~20 (no measurable change at M = 1, kept).
 //    - a byte-indexed 64 KB LUT (one PRMT per pair address instead of shift + LOP3) in 16-warp CTAs:
 //      fewer instructions, not faster (N=14336 K=4096: 23.6 vs 20.8 us, 1.7 waves at one CTA per SM;
-//      N=8192 K=28672: 50.0 vs 52.2 us). Removed.
+//      N=8192 K=28672: 50.0 vs 52.2 us). Removed. Retried in the shared-A MB = 1 config (2 stages
+//      left in 112 KB): ptxas kept the table base in a vector register and added it per pair
+//      (PRMT + IADD + LDS), so the loop stayed at ~420 instructions per k-step; not pursued.
 //    - 32-row CTAs for small weights: no gain (N=4096 K=4096: 11.9 vs 10.9 us). Removed.
 //    - A in registers for 4 token tiles per warp (a former config): 0.13x cuBLAS at M >= 128, and at
 //      M = 32 slower than the 32-token shared-A tile (N=14336 K=4096: 45.8 vs 27.1 us). Per-warp
@@ -165,7 +169,9 @@ constexpr bool cp_async_wait_groups_supported(int n) { return n >= 0 && n <= 5; 
 // ---------------------------------------------------------------------------------------------
 // Kernel configuration
 // ---------------------------------------------------------------------------------------------
-template <int K_BITS_, int MB_, int MT_, int WARPS_N_, int WARPS_K_, bool ABS_U8_> struct KbitGemmConfig {
+// SHARED_A_: the base of a KbitSharedAConfig (its own ring; the per-warp ring constants are unused)
+template <int K_BITS_, int MB_, int MT_, int WARPS_N_, int WARPS_K_, bool ABS_U8_, bool SHARED_A_ = false>
+struct KbitGemmConfig {
     static constexpr int K_BITS = K_BITS_;
     static constexpr int MB = MB_;           // n8 token tiles per warp
     static constexpr int MT = MT_;           // 16-row units per warp
@@ -189,11 +195,12 @@ template <int K_BITS_, int MB_, int MT_, int WARPS_N_, int WARPS_K_, bool ABS_U8
     // k=4: A in ring 40.9 us, A in registers 25.7 us).
     static constexpr bool A_IN_RING = MB == 1;
     static constexpr int A_WORDS_PER_ROW = A_IN_RING ? UNIT_BLOCKS * 16 : 0;
-    // LUT copies: one per lane (conflict-free) for k <= 4; k = 5 has 1024 entries, 4 copies = 16 KB
-    static constexpr int LUT_COPIES = K_BITS <= 4 ? 32 : 4;
+    // LUT copies: one per lane (conflict-free) for k <= 4; k = 5 has 1024 entries: 4 copies (16 KB) in
+    // the per-warp configs, 8 (32 KB) in the shared-A ones
+    static constexpr int LUT_COPIES = K_BITS <= 4 ? 32 : SHARED_A_ ? 8 : 4;
     static constexpr int LUT_ENTRY_BYTES = 4; // a half2 / bf162 pair
     static constexpr int LUT_WORDS = Fmt::LUT_ENTRIES * LUT_COPIES;
-    static constexpr int LUT_STRIDE_LOG2 = LUT_COPIES == 32 ? 7 : 4; // bytes per entry (all copies)
+    static constexpr int LUT_STRIDE_LOG2 = LUT_COPIES == 32 ? 7 : LUT_COPIES == 8 ? 5 : 4; // bytes per entry
     static_assert((4 << (LUT_STRIDE_LOG2 - 2)) == 4 * LUT_COPIES, "LUT stride = copies x 4 bytes");
     // smem: two CTAs per SM (2 x (112 + 1 reserved) KB fit H100/H200's 228 KB and A100's 164 KB per
     // CTA limit); a 16-warp CTA would take the SM alone (226 KB, sm_90 only)
@@ -214,7 +221,7 @@ template <int K_BITS_, int MB_, int MT_, int WARPS_N_, int WARPS_K_, bool ABS_U8
         return 4 * (LUT_WORDS + WARPS * stages_for(a_rows) * stage_words(a_rows));
     }
     static constexpr int STAGES = stages_for(TILE_M); // the fewest (a_rows = TILE_M)
-    static_assert(STAGES >= 2, "the ring needs at least 2 stages: shrink MT or WARPS");
+    static_assert(STAGES >= 2 || SHARED_A_, "the ring needs at least 2 stages: shrink MT or WARPS");
     static_assert(cp_async_wait_groups_supported(MAX_STAGES - 1), "cp_async_wait_dyn covers 0..5 pending groups");
     static constexpr int RING_WORDS_MIN = WARPS * STAGES * stage_words(0);
     static constexpr int ACC_FLOATS = MT * MB * 4; // per lane
@@ -894,8 +901,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 // fragment feeds MB MMAs. Split-K up to M = 256, through the same workspace slots as configs 0-1.
 // ---------------------------------------------------------------------------------------------
 template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_>
-struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_> {
-    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_>;
+struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true> {
+    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true>;
     static constexpr int A_ROW_BYTES = 2 * UNIT_K + 64; // 256 + 64 pad: 8 rows of a phase hit distinct banks
     static constexpr int A_STAGE_WORDS = Base::TILE_M * A_ROW_BYTES / 4;
     static constexpr int W_STAGE_WORDS = Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS; // per warp
