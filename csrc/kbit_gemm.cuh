@@ -106,6 +106,11 @@
 //      loaded 16 bytes per token tile and block through L1, twice the weight bytes at M = 16.
 //    - MB = 1 with 128-row CTAs, three per SM (24 warps, 73 KB each): 1-6% slower than two 256-row
 //      CTAs per SM, so occupancy is not what bounds M = 1.
+//    - stream-K for the shared-A configs (one CTA per slot, equal shares of tiles x k-steps, a CTA
+//      spanning two tiles parks the first partial and arrives on both counters at its end): H200
+//      k = 4, 28672 x 8192 M=1 56.7 -> 53.5 us (split-K filled 224 of 264 slots), but 14336 x 4096
+//      18.6 -> 19.3, 8192 x 8192 19.1 -> 21.2 and 4096 x 14336 (17 CTAs per tile) 18.3 -> 23.7 at
+//      M = 1, and slower at M = 16 and 64 too. Grid split-K kept.
 //    - the wide config reaches 0.37x cuBLAS at M = 4096; above 256 tokens the staged path (dequantize
 //      + cuBLAS, backends/cuda/ops.py) runs instead.
 //
