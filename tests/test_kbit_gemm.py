@@ -236,6 +236,20 @@ def test_cuda_gemm_bias_absmax_and_batched(absmax_format, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("k", KS)
+def test_cuda_gemm_every_config_bf16_fp16_absmax(k):
+    """Every config (forced) with bf16 activations, fp16 absmax and bias: the scale conversion through
+    fp32 and the 16-byte absmax copies in each kernel, at an M of two token tiles for configs 0 and 2
+    and a partial tile for the wider ones."""
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_num_configs
+
+    for config in range(gemm_num_configs()):
+        for sm_count in (7, 132):
+            run_case(9, 1000, 1312, k, torch.bfloat16, absmax_format="fp16", bias=True, config=config,
+                     sm_count=sm_count)
+
+
+@pytest.mark.cuda
 def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
     N, K_dim, k = 1000, 4096, 4
     packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
