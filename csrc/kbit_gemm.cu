@@ -263,19 +263,12 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     if (d.k_splits > 1 && workspace == nullptr) d.k_splits = 1;
 
     KbitGemmParams p;
+    set_tiled_weight(p, B_packed, B_absmax, codebook, codebook_len, N, K_dim);
     p.A = A;
-    p.B = reinterpret_cast<const uint32_t*>(B_packed);
-    p.B_absmax = B_absmax;
-    p.codebook = codebook;
-    p.codebook_len = codebook_len;
     p.bias = bias;
     p.C = C;
     p.M = M;
-    p.N = N;
-    p.K_dim = K_dim;
     p.lda = lda;
-    p.k_steps = ceil_div(K_dim, UNIT_K);
-    p.n16_tiles = ceil_div(N, UNIT_ROWS);
     p.a_vec_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
     if (d.k_splits > 1) {
         p.counters = reinterpret_cast<int*>(workspace);  // [ctas], ctas <= MAX_SPLIT_CTAS

@@ -169,6 +169,20 @@ template <int K_BITS> __host__ __device__ inline int unit_word_offset(int lane, 
     return lw < 4 * F::NV4 ? (lw / 4) * 128 + lane * 4 + (lw % 4) : F::NV4 * 128 + lane * 2 + (lw - 4 * F::NV4);
 }
 
+// The fields every reader of a tiled weight has (KbitGemmParams, TiledWeight), filled in one place.
+template <class W>
+inline void set_tiled_weight(W& w, const void* B_packed, const void* B_absmax, const float* codebook, int codebook_len,
+                             int N, int K_dim) {
+    w.B = reinterpret_cast<const uint32_t*>(B_packed);
+    w.B_absmax = B_absmax;
+    w.codebook = codebook;
+    w.codebook_len = codebook_len;
+    w.N = N;
+    w.K_dim = K_dim;
+    w.k_steps = (K_dim + UNIT_K - 1) / UNIT_K;
+    w.n16_tiles = (N + UNIT_ROWS - 1) / UNIT_ROWS;
+}
+
 constexpr bool cp_async_wait_groups_supported(int n) { return n >= 0 && n <= 5; }
 
 // ---------------------------------------------------------------------------------------------

@@ -80,14 +80,7 @@ cudaError_t dequantize_tiled(
     if (n_end <= n_begin || k_end <= k_begin)
         return cudaSuccess;
     TiledWeight w;
-    w.B = reinterpret_cast<const uint32_t*>(B_packed);
-    w.B_absmax = B_absmax;
-    w.codebook = codebook;
-    w.codebook_len = codebook_len;
-    w.N = N;
-    w.K_dim = K_dim;
-    w.k_steps = (K_dim + UNIT_K - 1) / UNIT_K;
-    w.n16_tiles = (N + UNIT_ROWS - 1) / UNIT_ROWS;
+    set_tiled_weight(w, B_packed, B_absmax, codebook, codebook_len, N, K_dim);
     // persistent: the pair table is built once per CTA (8 CTAs of 256 threads fill an SM)
     TiledRegion region;
     region.n16_begin = n_begin / UNIT_ROWS;
