@@ -40,7 +40,12 @@
 //    from a LUT duplicated LUT_COPIES times (copy = lane % LUT_COPIES: bank-conflict free for 32
 //    copies; k = 5 has 1024 entries: 4 copies in configs 0-1, 8 in the shared-A configs, where the
 //    32 KB table still leaves 2-3 ring stages: H200 8192 x 28672 M=1 87.2 -> 82.7 us, M=32 105.7 ->
-//    101.8), then one HMUL2 by the block scale {s, s}.
+//    101.8), then one HMUL2 by the block scale {s, s}. k = 2 looks up a QUAD (the fields of MMA registers
+//    2h and 2h + 1, one byte of a lo word) in a 256-entry table of 8-byte entries, 16 copies (an LDS.64
+//    is served per half warp), 32 KB: one shift + LOP3 + LDS.64 per 4 weights, and the two halves land
+//    in consecutive registers as the MMA wants them (pairs 2h, 2h+2 would cost a move each: 364 vs 306
+//    instructions per k-step). H200 M = 1: 28672 x 8192 48.3 -> 46.0 us, 8192 x 28672 43.1 -> 41.5.
+//    k = 3 at MB = 1 applies the scale in fp32 after the MMA instead (POST_SCALE, KbitGemmConfig).
 //    The repack (TiledFormat) stores each lane's fields so that e is one shift + one LOP3 (k = 2, 4)
 //    or two shifts + two LOP3 (k = 3, 5: a 2-bits-per-element "lo" field + a 1-bit "hi" field).
 //    E4M4 scales need no decode arithmetic: the bits (code << 6) ARE an fp16 equal to absmax / 16
@@ -113,6 +118,22 @@
 //      M = 1, and slower at M = 16 and 64 too. Grid split-K kept.
 //    - the wide config reaches 0.37x cuBLAS at M = 4096; above 256 tokens the staged path (dequantize
 //      + cuBLAS, backends/cuda/ops.py) runs instead.
+//    - more split-K (the SM count overridden so splits = 3..8 on 28672 x 8192 M=1): k = 2 48.5 -> 44.1 us
+//      at 8 splits, k = 4 56.5 -> 55.6, and 14336 x 4096 / 8192 x 8192 slower (up to 1.4x): not taken.
+//    - 5 ring stages (k = 2, 3 fit them in 112 KB): no change; one 226 KB CTA per SM with 8 stages: 3-8%
+//      slower; MT = 4 (512-row CTAs, one per SM): 0-5% slower.
+//    - a 16-copy pair table for k = 3, 4 (16 KB, lanes l and l+16 share a copy): 20-28% slower (k = 4
+//      28672 x 8192 M=1 57.5 -> 73.5 us): shared-memory bandwidth is what the loop spends.
+//    Where M = 1 goes (H200, 28672 x 8192, shared-A MB = 1; leave-one-out builds, KBIT_PROBE_NO_LOADS /
+//    KBIT_PROBE_NO_COMPUTE in the shared-A kernel, dev/build_variant.sh): k = 2 full 46.4 us, without the
+//    ring refills 37.3, without the dequant/MMA 24.7 (floor 15.6); k = 4: 57.6, 40.0, 40.5 (floor 29.5).
+//    So the dequant alone runs at ~45% issue (ncu: 0.57 IPC per scheduler, stalls spread over wait,
+//    short scoreboard, MIO, math pipe, barrier), the copy alone at 63-73% of DRAM bandwidth, and they
+//    only partly overlap. Shared memory per warp and k-step: 8 KB of LUT reads, ~2 KB of weight ring
+//    writes + reads each, A fragments: ~1800 of the ~2300 cycles per k-step (both CTAs) at 128 B/clk.
+//    Reading A rows < M only (lanes of rows >= M share the last row, so the LDS.128 broadcasts) took
+//    k = 2 M=1 47.9 -> 44.7 us and k = 4 57.3 -> 54.5. Next: weights straight into registers (no smem
+//    round trip), a register codebook for k = 2 (PRMT from two registers instead of LUT reads).
 //
 // Naming: g_ global, s_ shared, r_ registers; frag_a (weights), frag_b (acts), acc.
 // ============================================================================================
@@ -142,6 +163,8 @@ static_assert(UNIT_K % BLOCK_ELEMS == 0, "a unit must hold whole quantization bl
 //   lo field: LO_BITS_PER_ELEM low index bits of both elements (elem0 in the low half);
 //   hi field (k odd): the top index bit of elem0 (bit 0) and elem1 (bit 1).
 //   LUT index e = lo | hi << LO_FIELD_BITS.
+//   k = 2: byte b of lo word w holds pairs q = 8w + 2b and + 1, i.e. MMA registers 2h and 2h + 1 of MMA u
+//   (q = 4u + 2h): one "quad" the GEMM looks up at once into two consecutive registers.
 template <int K_BITS> struct TiledFormat {
     static_assert(K_BITS >= 2 && K_BITS <= 5, "K_BITS must be 2..5");
     static constexpr int LO_BITS_PER_ELEM = K_BITS >= 4 ? 4 : 2;
@@ -161,6 +184,7 @@ template <int K_BITS> struct TiledFormat {
     static constexpr int NV4 = LANE_WORDS / 4;
     static constexpr int HAS_V2 = (LANE_WORDS % 4) != 0;
     static_assert(LANE_WORDS % 2 == 0, "tail chunk is one uint2");
+    static constexpr bool QUAD = K_BITS == 2;
 };
 
 // word offset inside a unit of lane word lw of lane `lane`
@@ -184,6 +208,7 @@ inline void set_tiled_weight(W& w, const void* B_packed, const void* B_absmax, c
 }
 
 constexpr bool cp_async_wait_groups_supported(int n) { return n >= 0 && n <= 5; }
+constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
 
 // ---------------------------------------------------------------------------------------------
 // Kernel configuration
@@ -214,13 +239,26 @@ struct KbitGemmConfig {
     // k=4: A in ring 40.9 us, A in registers 25.7 us).
     static constexpr bool A_IN_RING = MB == 1;
     static constexpr int A_WORDS_PER_ROW = A_IN_RING ? UNIT_BLOCKS * 16 : 0;
-    // LUT copies: one per lane (conflict-free) for k <= 4; k = 5 has 1024 entries: 4 copies (16 KB) in
-    // the per-warp configs, 8 (32 KB) in the shared-A ones
-    static constexpr int LUT_COPIES = K_BITS <= 4 ? 32 : SHARED_A_ ? 8 : 4;
-    static constexpr int LUT_ENTRY_BYTES = 4; // a half2 / bf162 pair
-    static constexpr int LUT_WORDS = Fmt::LUT_ENTRIES * LUT_COPIES;
-    static constexpr int LUT_STRIDE_LOG2 = LUT_COPIES == 32 ? 7 : LUT_COPIES == 8 ? 5 : 4; // bytes per entry
-    static_assert((4 << (LUT_STRIDE_LOG2 - 2)) == 4 * LUT_COPIES, "LUT stride = copies x 4 bytes");
+    // LUT: k = 3..5 a pair table (entry = one half2 / bf162), k = 2 a quad table (entry = two of them,
+    // read with one LDS.64: 256 entries). Copies: one per lane (conflict-free) for k = 3, 4; 16 for the
+    // quad table (an LDS.64 is served per half warp); k = 5 has 1024 entries: 4 copies (16 KB) in the
+    // per-warp configs, 8 (32 KB) in the shared-A ones
+    static constexpr bool QUAD_LUT = Fmt::QUAD;
+    static constexpr int LUT_ENTRIES = QUAD_LUT ? 256 : Fmt::LUT_ENTRIES;
+    static constexpr int LUT_ENTRY_BYTES = QUAD_LUT ? 8 : 4;
+    static constexpr int LUT_COPIES = QUAD_LUT ? 16 : K_BITS <= 4 ? 32 : SHARED_A_ ? 8 : 4;
+    static constexpr int LUT_WORDS = LUT_ENTRIES * LUT_COPIES * LUT_ENTRY_BYTES / 4;
+    static constexpr int LUT_STRIDE_LOG2 = ilog2(LUT_COPIES * LUT_ENTRY_BYTES); // bytes per entry (all copies)
+    static_assert((1 << LUT_STRIDE_LOG2) == LUT_COPIES * LUT_ENTRY_BYTES, "LUT stride = copies x entry bytes");
+    // POST_SCALE: the block scale is applied in fp32 after the MMA (per block: 2 MMAs into a zeroed
+    // fragment, then 4 FFMA per token tile) instead of one HMUL2 per pair (16 per block). At MB = 1 the
+    // loop is 32 instructions per k-step shorter, but the HMUL2s run on the FMA pipe, which is not what
+    // bounds the loop (section 7): H200 M = 1, us, with / without: k = 3 28672 x 8192 59.4 / 60.6,
+    // 8192 x 28672 53.4 / 54.6; k = 4 57.5 / 55.4, 51.3 / 50.1; k = 2 46.8 / 46.0. Kept for k = 3 only.
+    static constexpr bool POST_SCALE = MB == 1 && K_BITS == 3;
+    // E4M4 and POST_SCALE: the scale is the code's bits << 19 as an fp32 (= absmax * 2^-116, exact,
+    // subnormals included), the LUT holds codebook * 16, so acc = C * 2^-112 until the store
+    static constexpr float OUT_FACTOR = ABS_U8 && POST_SCALE ? 5.192296858534828e33f : 1.0f; // 2^112
     // smem: two CTAs per SM (2 x (112 + 1 reserved) KB fit H100/H200's 228 KB and A100's 164 KB per
     // CTA limit); a 16-warp CTA would take the SM alone (226 KB, sm_90 only)
     static constexpr int CTAS_PER_SM = WARPS >= 16 ? 1 : 2;
@@ -304,6 +342,13 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
 __device__ __forceinline__ uint32_t lds32(uint32_t s_addr) {
     uint32_t v;
     asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(s_addr));
+    return v;
+}
+
+// 64-bit shared load (a quad LUT entry), same ordering argument as lds32; PTX ISA 9.7.9.8
+__device__ __forceinline__ uint2 lds64(uint32_t s_addr) {
+    uint2 v;
+    asm("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(s_addr));
     return v;
 }
 
@@ -463,25 +508,35 @@ struct KbitGemmParams {
     int a_rows;             // token rows of A staged per k-step: min(M, TILE_M)
 };
 
-// build the duplicated pair LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2. The codebook sits
-// one entry per lane (read with shfl), each thread writes 4 copies per 16-byte store, and the copy
-// chunk is rotated by entry so a warp's stores spread over all banks.
+// build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES.
+// The codebook sits one entry per lane (read with shfl); each thread writes 16 bytes (4 pair copies, or 2
+// quad copies) per store, and the chunk is rotated by entry so a warp's stores spread over all banks.
 template <class Cfg, typename T> __device__ void build_lut(uint32_t* s_lut, const KbitGemmParams& p) {
-    const float factor = Cfg::ABS_U8 ? Pack2<T>::E4M4_LUT_FACTOR : 1.0f;
+    const float factor = !Cfg::ABS_U8 ? 1.0f : Cfg::POST_SCALE ? 16.0f : Pack2<T>::E4M4_LUT_FACTOR;
     const int lane = threadIdx.x % 32;
     const float r_cb = lane < p.codebook_len ? __ldg(p.codebook + lane) * factor : 0.0f;
-    constexpr int CHUNKS_PER_ENTRY = Cfg::LUT_COPIES / 4;
+    const auto pair_value = [&](int pair_index) { // {cb[i0], cb[i1]} * factor; every lane must call it
+        int i0, i1;
+        lut_index_to_pair<Cfg::K_BITS>(pair_index, i0, i1);
+        return Pack2<T>::from_floats(__shfl_sync(0xffffffffu, r_cb, i0), __shfl_sync(0xffffffffu, r_cb, i1));
+    };
+    constexpr int CHUNKS_PER_ENTRY = Cfg::LUT_COPIES * Cfg::LUT_ENTRY_BYTES / 16;
     constexpr int CHUNKS = Cfg::LUT_WORDS / 4;
-    static_assert(Cfg::LUT_COPIES % 4 == 0 && CHUNKS % Cfg::THREADS == 0 || CHUNKS < Cfg::THREADS,
+    static_assert(CHUNKS_PER_ENTRY >= 1 && (CHUNKS % Cfg::THREADS == 0 || CHUNKS < Cfg::THREADS),
                   "LUT chunks are spread evenly over the threads");
 #pragma unroll 4
     for (int x = threadIdx.x; x < CHUNKS; x += Cfg::THREADS) {
         const int e = x / CHUNKS_PER_ENTRY;
         const int c = (x + e) % CHUNKS_PER_ENTRY;
-        int i0, i1;
-        lut_index_to_pair<Cfg::K_BITS>(e, i0, i1);
-        const uint32_t v = Pack2<T>::from_floats(__shfl_sync(0xffffffffu, r_cb, i0), __shfl_sync(0xffffffffu, r_cb, i1));
-        reinterpret_cast<uint4*>(s_lut)[e * CHUNKS_PER_ENTRY + c] = make_uint4(v, v, v, v);
+        uint4 v;
+        if constexpr (Cfg::QUAD_LUT) { // quad e = pair (e & 15) then pair (e >> 4): two MMA registers
+            const uint32_t lo = pair_value(e & 15), hi = pair_value(e >> 4);
+            v = make_uint4(lo, hi, lo, hi);
+        } else {
+            const uint32_t pv = pair_value(e);
+            v = make_uint4(pv, pv, pv, pv);
+        }
+        reinterpret_cast<uint4*>(s_lut)[e * CHUNKS_PER_ENTRY + c] = v;
     }
 }
 
@@ -682,18 +737,81 @@ __host__ __device__ __forceinline__ uint32_t lut_addr(const uint32_t* r_w, uint3
     }
 }
 
-// dequantize the A-operand fragment of MMA u (= 2*blk + s) of one unit
-template <class Cfg, typename T, int U>
-__device__ __forceinline__ void dequant_frag_a(uint32_t (&frag_a)[4], const uint32_t* r_w, uint32_t s_lut,
-                                               uint32_t lane_off, uint32_t scale_g, uint32_t scale_g8) {
-    const uint32_t e0 = lds32(s_lut + lut_addr<Cfg, 4 * U + 0>(r_w, lane_off));
-    const uint32_t e1 = lds32(s_lut + lut_addr<Cfg, 4 * U + 1>(r_w, lane_off));
-    const uint32_t e2 = lds32(s_lut + lut_addr<Cfg, 4 * U + 2>(r_w, lane_off));
-    const uint32_t e3 = lds32(s_lut + lut_addr<Cfg, 4 * U + 3>(r_w, lane_off));
-    frag_a[0] = Pack2<T>::mul(e0, scale_g);
-    frag_a[1] = Pack2<T>::mul(e1, scale_g8);
-    frag_a[2] = Pack2<T>::mul(e2, scale_g);
-    frag_a[3] = Pack2<T>::mul(e3, scale_g8);
+// the block scale of (half, blk) as an fp32 (POST_SCALE): E4M4 = the code's bits << 19 (absmax * 2^-116,
+// OUT_FACTOR restores it at the store); fp16 absmax converted exactly
+template <class Cfg>
+__device__ __forceinline__ float scale_f32(const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], int idx) {
+    if constexpr (Cfg::ABS_U8) {
+        const uint32_t word = r_abs[idx / 4];
+        const int sh = 19 - 8 * (idx % 4);
+        return __uint_as_float((sh >= 0 ? word << sh : word >> -sh) & (0xFFu << 19));
+    } else {
+        const uint32_t word = r_abs[idx / 2];
+        return __half2float(__ushort_as_half((unsigned short)((idx % 2) ? word >> 16 : word & 0xffffu)));
+    }
+}
+
+// quad LUT byte address of quad R = 2u + h of a lane (k = 2: pairs 4u + 2h, + 1): byte R % 4 of lo word R / 4
+template <class Cfg, int R> __device__ __forceinline__ uint32_t quad_lut_addr(const uint32_t* r_w, uint32_t lane_off) {
+    constexpr int LS = Cfg::LUT_STRIDE_LOG2;
+    constexpr int SH = 8 * (R % 4) - LS;
+    const uint32_t w = r_w[R / 4];
+    return ((SH >= 0 ? w >> (SH >= 0 ? SH : 0) : w << (SH < 0 ? -SH : 0)) & (0xFFu << LS)) | lane_off;
+}
+
+// the unscaled A-operand fragment (codebook values, times the LUT factor) of MMA u = 2*blk + s of a unit
+template <class Cfg, int U>
+__device__ __forceinline__ void lookup_frag_a(uint32_t (&frag_a)[4], const uint32_t* r_w, uint32_t s_lut,
+                                              uint32_t lane_off) {
+    if constexpr (Cfg::QUAD_LUT) { // quad 2U + h = registers 2h, 2h + 1: consecutive, no moves for the MMA
+        const uint2 q0 = lds64(s_lut + quad_lut_addr<Cfg, 2 * U>(r_w, lane_off));
+        const uint2 q1 = lds64(s_lut + quad_lut_addr<Cfg, 2 * U + 1>(r_w, lane_off));
+        frag_a[0] = q0.x;
+        frag_a[1] = q0.y;
+        frag_a[2] = q1.x;
+        frag_a[3] = q1.y;
+    } else {
+        frag_a[0] = lds32(s_lut + lut_addr<Cfg, 4 * U + 0>(r_w, lane_off));
+        frag_a[1] = lds32(s_lut + lut_addr<Cfg, 4 * U + 1>(r_w, lane_off));
+        frag_a[2] = lds32(s_lut + lut_addr<Cfg, 4 * U + 2>(r_w, lane_off));
+        frag_a[3] = lds32(s_lut + lut_addr<Cfg, 4 * U + 3>(r_w, lane_off));
+    }
+}
+
+// dequant + MMAs of quantization block BLK (MMAs u = 2 BLK, 2 BLK + 1) of one unit, for MB token tiles
+// whose B fragments are r_b[mb] (.x, .y: k16 step 0; .z, .w: step 1)
+template <class Cfg, typename T, int BLK>
+__device__ __forceinline__ void block_mma(float (&acc)[Cfg::MB][4], const uint32_t* r_w,
+                                          const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
+                                          const uint4 (&r_b)[Cfg::MB], uint32_t s_lut, uint32_t lane_off) {
+    uint32_t frag0[4], frag1[4];
+    lookup_frag_a<Cfg, 2 * BLK>(frag0, r_w, s_lut, lane_off);
+    lookup_frag_a<Cfg, 2 * BLK + 1>(frag1, r_w, s_lut, lane_off);
+    if constexpr (Cfg::POST_SCALE) {
+        const float s_g = scale_f32<Cfg>(r_abs, BLK), s_g8 = scale_f32<Cfg>(r_abs, 4 + BLK);
+#pragma unroll
+        for (int mb = 0; mb < Cfg::MB; mb++) {
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_m16n8k16(d, frag0, r_b[mb].x, r_b[mb].y, T());
+            mma_m16n8k16(d, frag1, r_b[mb].z, r_b[mb].w, T());
+            acc[mb][0] = fmaf(s_g, d[0], acc[mb][0]); // d0, d1: row g; d2, d3: row g + 8
+            acc[mb][1] = fmaf(s_g, d[1], acc[mb][1]);
+            acc[mb][2] = fmaf(s_g8, d[2], acc[mb][2]);
+            acc[mb][3] = fmaf(s_g8, d[3], acc[mb][3]);
+        }
+    } else {
+        const uint32_t sc_g = scale_pair<Cfg, T>(r_abs, BLK), sc_g8 = scale_pair<Cfg, T>(r_abs, 4 + BLK);
+#pragma unroll
+        for (int j = 0; j < 4; j++) { // register j: row g (j even) or g + 8 (j odd)
+            frag0[j] = Pack2<T>::mul(frag0[j], (j & 1) ? sc_g8 : sc_g);
+            frag1[j] = Pack2<T>::mul(frag1[j], (j & 1) ? sc_g8 : sc_g);
+        }
+#pragma unroll
+        for (int mb = 0; mb < Cfg::MB; mb++) {
+            mma_m16n8k16(acc[mb], frag0, r_b[mb].x, r_b[mb].y, T());
+            mma_m16n8k16(acc[mb], frag1, r_b[mb].z, r_b[mb].w, T());
+        }
+    }
 }
 
 // dequant + MMA of one k-step held in ring stage s_stage
@@ -718,21 +836,10 @@ __device__ __forceinline__ void compute_stage(float (&acc)[Cfg::MT][Cfg::MB][4],
         uint32_t r_w[F::LANE_WORDS];
         uint32_t r_abs[Cfg::ABS_BYTES_PER_LANE / 4];
         read_unit_from_stage<Cfg>(r_w, r_abs, s_stage, mt, lane);
-#define KBIT_MMA_STEP(U)                                                                                        \
-    {                                                                                                           \
-        constexpr int blk = (U) / 2, s = (U) % 2;                                                               \
-        uint32_t frag_a[4];                                                                                     \
-        dequant_frag_a<Cfg, T, U>(frag_a, r_w, s_lut, lane_off, scale_pair<Cfg, T>(r_abs, blk),                 \
-                                  scale_pair<Cfg, T>(r_abs, 4 + blk));                                          \
-        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) {                                                \
-            const uint32_t b0 = s ? r_a[blk][mb].z : r_a[blk][mb].x;                                            \
-            const uint32_t b1 = s ? r_a[blk][mb].w : r_a[blk][mb].y;                                            \
-            mma_m16n8k16(acc[mt][mb], frag_a, b0, b1, T());                                                     \
-        }                                                                                                       \
-    }
-        KBIT_MMA_STEP(0) KBIT_MMA_STEP(1) KBIT_MMA_STEP(2) KBIT_MMA_STEP(3)
-        KBIT_MMA_STEP(4) KBIT_MMA_STEP(5) KBIT_MMA_STEP(6) KBIT_MMA_STEP(7)
-#undef KBIT_MMA_STEP
+        block_mma<Cfg, T, 0>(acc[mt], r_w, r_abs, r_a[0], s_lut, lane_off);
+        block_mma<Cfg, T, 1>(acc[mt], r_w, r_abs, r_a[1], s_lut, lane_off);
+        block_mma<Cfg, T, 2>(acc[mt], r_w, r_abs, r_a[2], s_lut, lane_off);
+        block_mma<Cfg, T, 3>(acc[mt], r_w, r_abs, r_a[3], s_lut, lane_off);
     }
 }
 
@@ -753,7 +860,7 @@ __device__ __forceinline__ void store_output(const float (&acc)[Cfg::MT][Cfg::MB
 #pragma unroll
             for (int mb = 0; mb < Cfg::MB; mb++) {
                 const int m = m_base + mb * 8 + 2 * t + (r % 2);
-                if (m < p.M) g_C[(long long)m * p.N + n] = Pack2<T>::from_float(acc[mt][mb][r] + b);
+                if (m < p.M) g_C[(long long)m * p.N + n] = Pack2<T>::from_float(acc[mt][mb][r] * Cfg::OUT_FACTOR + b);
             }
         }
     }
@@ -951,7 +1058,8 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
         if (Cfg::A_CHUNKS < Cfg::THREADS && c >= Cfg::A_CHUNKS) break; // MB = 1: half the threads copy
         const int row = c / (UNIT_K / 8), piece = c % (UNIT_K / 8);
         const int m = m_base + row, k = kstep * UNIT_K + piece * 8;
-        const bool ok = m < p.M && k < p.K_dim; // zero fill: padded k must be 0, rows >= M are unstored
+        if (m >= p.M) continue;                  // rows >= M are never read (compute clamps to the last row)
+        const bool ok = k < p.K_dim;             // zero fill: padded k must be 0
         const unsigned short* src = ok ? g_A + (long long)m * p.lda + k : g_A;
         const uint32_t s_dst = s_a + row * Cfg::A_ROW_BYTES + piece * 16;
         if (p.a_vec_ok) {
@@ -963,11 +1071,13 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
 }
 
 // dequant + MMA of one k-step: weights from this warp's ring slot, A from the shared slot
+// a_off[mb]: this lane's byte offset of its B fragment row (token mb*8 + g, clamped to the tile's last row
+// < M: rows past M are not copied; at M < 8 the lanes then share rows and the LDS.128 broadcasts)
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_stage_shared_a(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t s_w, uint32_t s_a,
-                                                   uint32_t s_lut, uint32_t lane_off, int lane) {
+                                                   const uint32_t (&a_off)[Cfg::MB], uint32_t s_lut, uint32_t lane_off,
+                                                   int lane) {
     using F = typename Cfg::Fmt;
-    const int g = lane / 4, t = lane % 4;
     uint32_t r_w[Cfg::MT][F::LANE_WORDS];
     uint32_t r_abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
 #pragma unroll
@@ -978,18 +1088,9 @@ __device__ __forceinline__ void compute_stage_shared_a(float (&acc)[Cfg::MT][Cfg
         _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) asm volatile(                                    \
             "ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"                                                           \
             : "=r"(r_b[mb].x), "=r"(r_b[mb].y), "=r"(r_b[mb].z), "=r"(r_b[mb].w)                                \
-            : "r"(s_a + (mb * 8 + g) * Cfg::A_ROW_BYTES + (BLK) * 64 + t * 16));                                \
-        _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++) {                                                \
-            const uint32_t sc_g = scale_pair<Cfg, T>(r_abs[mt], BLK);                                           \
-            const uint32_t sc_g8 = scale_pair<Cfg, T>(r_abs[mt], 4 + (BLK));                                    \
-            uint32_t frag0[4], frag1[4];                                                                        \
-            dequant_frag_a<Cfg, T, 2 * (BLK)>(frag0, r_w[mt], s_lut, lane_off, sc_g, sc_g8);                     \
-            dequant_frag_a<Cfg, T, 2 * (BLK) + 1>(frag1, r_w[mt], s_lut, lane_off, sc_g, sc_g8);                 \
-            _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) {                                            \
-                mma_m16n8k16(acc[mt][mb], frag0, r_b[mb].x, r_b[mb].y, T());                                    \
-                mma_m16n8k16(acc[mt][mb], frag1, r_b[mb].z, r_b[mb].w, T());                                    \
-            }                                                                                                   \
-        }                                                                                                       \
+            : "r"(s_a + a_off[mb] + (BLK) * 64));                                                               \
+        _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++)                                                  \
+            block_mma<Cfg, T, BLK>(acc[mt], r_w[mt], r_abs[mt], r_b, s_lut, lane_off);                          \
     }
     KBIT_SHARED_A_BLOCK(0) KBIT_SHARED_A_BLOCK(1) KBIT_SHARED_A_BLOCK(2) KBIT_SHARED_A_BLOCK(3)
 #undef KBIT_SHARED_A_BLOCK
@@ -1011,6 +1112,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     const int k_begin = blockIdx.y * p.ks_per_split;
     const int n_steps = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
     const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
+    uint32_t a_off[Cfg::MB];
+    const int a_last_row = min(p.M - m_base, Cfg::TILE_M) - 1;
+#pragma unroll
+    for (int mb = 0; mb < Cfg::MB; mb++)
+        a_off[mb] = min(mb * 8 + lane / 4, a_last_row) * Cfg::A_ROW_BYTES + (lane % 4) * 16;
 
     float acc[Cfg::MT][Cfg::MB][4];
     zero_acc<Cfg>(acc);
@@ -1031,15 +1137,21 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
         cp_async_wait<S - 2>(); // step i landed (this thread's copies) ...
         __syncthreads();        // ... everyone's, and everyone is done with step i-1's slot (and the LUT)
         const int st_load = (i + S - 1) % S;
+#ifdef KBIT_PROBE_NO_LOADS // timing probe only (section 7): compute on stale ring data
+        if (false) {
+#else
         if (i + S - 1 < n_steps) {
+#endif
             load_stage_async<Cfg>(s_w_ring + 4 * st_load * Cfg::W_STAGE_WORDS, cur, lane);
             load_a_shared_async<Cfg>(s_a_ring + 4 * st_load * Cfg::A_STAGE_WORDS, p, m_base, k_begin + i + S - 1);
             cur.advance();
         }
         cp_async_commit();
         const int st = i % S;
+#ifndef KBIT_PROBE_NO_COMPUTE // timing probe only (section 7): copies without the dequant/MMA
         compute_stage_shared_a<Cfg, T>(acc, s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, s_a_ring + 4 * st * Cfg::A_STAGE_WORDS,
-                                   s_lut, lane_off, lane);
+                                   a_off, s_lut, lane_off, lane);
+#endif
     }
     cp_async_wait<0>();
     if (p.k_splits > 1) { // M <= 256 with few n tiles: same deterministic slot reduction as configs 0-2

@@ -39,8 +39,15 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["14336x4096", "4096x14336", "8192x8192"])
     ap.add_argument("--ms", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256])
     ap.add_argument("--ks", nargs="+", type=int, default=[4])
-    ap.add_argument("--configs", nargs="+", type=int, default=None)
+    ap.add_argument("--configs", nargs="*", type=int, default=None)
     ap.add_argument("--staged", action="store_true")
+    ap.add_argument(
+        "--sm-counts",
+        nargs="+",
+        type=int,
+        default=[],
+        help="also time the dispatcher planning for these SM counts (other split-K choices)",
+    )
     args = ap.parse_args()
     configs = args.configs if args.configs is not None else list(range(gemm_num_configs()))
     dtype = torch.float16
@@ -61,10 +68,12 @@ def main():
                 ref = torch_F.linear(As[0], F.dequantize_kbit(packed, absmax, cb, k, N * K, dtype).view(N, K))
                 t16 = median_us_graph(
                     lambda i, As=As, Ws=w_copies: torch_F.linear(As[i % len(As)], Ws[i % len(Ws)]),
-                    rotate=max(na, len(w_copies)), iters=20,
+                    rotate=max(na, len(w_copies)),
+                    iters=20,
                 )
                 cells = [f"fp16={t16:7.1f}"]
                 variants = [(f"c{c}", {"config": c}) for c in configs] + [("auto", {})]
+                variants += [(f"sm{s}", {"sm_count": s}) for s in args.sm_counts]
                 if args.staged:
                     variants.append(("staged", {"path": "staged"}))
                 for name, kw in variants:

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Build a variant of the native library with extra -D flags (probe switches in csrc/), for A/B timing
+# on the GPU machine with BNB_KBIT_LIBRARY. Needs the CMake build of prepare_gpu_run.sh (its objects).
+#   bash dev/build_variant.sh NAME -DKBIT_PROBE_NO_LOADS ...   -> .whl/variants/NAME.so
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name="$1"; shift
+b=build/py3-none-linux_x86_64
+o=$b/CMakeFiles/bitsandbytes_kbit_cuda.dir/csrc
+mkdir -p .whl/variants /tmp/kbit_variant
+nvcc -I csrc -O3 -DNDEBUG --generate-code=arch=compute_90,code=sm_90 -Xcompiler=-fPIC --expt-relaxed-constexpr \
+    -std=c++17 "$@" -x cu -c csrc/kbit_gemm.cu -o /tmp/kbit_variant/$name.o
+g++ -fPIC -O3 -shared -o .whl/variants/$name.so $o/kernels.cu.o $o/ops.cu.o /tmp/kbit_variant/$name.o \
+    $o/pythonInterface.cpp.o -L/usr/local/cuda-13.0/targets/x86_64-linux/lib /usr/local/cuda-13.0/lib/libcudart_static.a \
+    -ldl -lrt -lpthread
+echo ".whl/variants/$name.so"
