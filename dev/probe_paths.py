@@ -34,6 +34,17 @@ def time_path(As, copies, cb, k, N, K, out, ref, **kw) -> str:
     return f"{t:7.1f}" + ("" if err < 5e-3 else f"(ERR {err:.1e})")
 
 
+def weight_copies(W, k):
+    """The k-bit weight of W (quantized, repacked) and enough copies of the fp16 and tiled weights that a
+    rotation over them defeats the L2: (packed, absmax, codebook, fp16 copies, [(B_packed, B_absmax)])."""
+    N, K = W.shape
+    w_copies = [W] + [W.clone() for _ in range(copies_to_defeat_l2(W.numel() * 2) - 1)]
+    packed, absmax, cb = F.quantize_kbit(W, k=k)
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K)
+    n = copies_to_defeat_l2(Bp.numel() * 4 + Ba.numel())
+    return packed, absmax, cb, w_copies, [(Bp, Ba)] + [(Bp.clone(), Ba.clone()) for _ in range(n - 1)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["14336x4096", "4096x14336", "8192x8192"])
@@ -55,12 +66,8 @@ def main():
     for shape in args.shapes:
         N, K = (int(x) for x in shape.split("x"))
         W = (torch.randn(N, K, device="cuda") * 0.02).to(dtype)
-        w_copies = [W] + [W.clone() for _ in range(copies_to_defeat_l2(W.numel() * 2) - 1)]
         for k in args.ks:
-            packed, absmax, cb = F.quantize_kbit(W, k=k)
-            Bp, Ba = F.repack_kbit(packed, absmax, k, N, K)
-            n = copies_to_defeat_l2(Bp.numel() * 4 + Ba.numel())
-            copies = [(Bp, Ba)] + [(Bp.clone(), Ba.clone()) for _ in range(n - 1)]
+            packed, absmax, cb, w_copies, copies = weight_copies(W, k)
             for M in args.ms:
                 na = copies_to_defeat_l2(M * K * 2)
                 As = [torch.randn(M, K, device="cuda").to(dtype) for _ in range(na)]

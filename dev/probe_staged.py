@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as torch_F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarking"))
+from probe_paths import weight_copies
 from timing import copies_to_defeat_l2, median_us_graph
 
 import bitsandbytes_kbit.functional as F
@@ -87,12 +88,9 @@ def main():
     for shape in args.shapes:
         N, K = (int(x) for x in shape.split("x"))
         W = (torch.randn(N, K, device="cuda") * 0.02).to(dtype)
-        w_copies = [W] + [W.clone() for _ in range(copies_to_defeat_l2(W.numel() * 2) - 1)]
         for k in args.ks:
-            packed, absmax, cb = F.quantize_kbit(W, k=k)
-            Bp, Ba = F.repack_kbit(packed, absmax, k, N, K)
-            n = copies_to_defeat_l2(Bp.numel() * 4 + Ba.numel())
-            copies = [(Bp, Ba)] + [(Bp.clone(), Ba.clone()) for _ in range(n - 1)]
+            packed, absmax, cb, w_copies, copies = weight_copies(W, k)
+            Bp, Ba = copies[0]
             t_deq_all = time_dequant_all(copies, cb, k, N, K, torch.empty(N, K, device="cuda", dtype=dtype))
             gbs = (Bp.numel() * 4 + Ba.numel() + N * K * 2) / t_deq_all / 1e3
             print(f"{shape:>11} k={k} dequantize whole W: {t_deq_all:7.1f} us ({gbs:.0f} GB/s read+write)")
