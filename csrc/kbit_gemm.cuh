@@ -321,22 +321,19 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
     default: cp_async_wait<5>(); break;
     }
 }
-// D = A(16x16, row) * B(16x8, col) + D, fp16 inputs, fp32 accumulate; PTX ISA 9.7.14.5.8
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                             __half) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// same, bf16 inputs; PTX ISA 9.7.14.5.8
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                             __nv_bfloat16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// D = A(16x16, row) * B(16x8, col) + D, fp32 accumulate, A and B of type T (the tag argument picks the
+// overload; the two differ only in the PTX type); PTX ISA 9.7.14.5.8
+#define KBIT_DEFINE_MMA_M16N8K16(T, PTX_TYPE)                                                                    \
+    __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, \
+                                                 T) {                                                            \
+        asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "  \
+            "{%8,%9}, {%0,%1,%2,%3};\n"                                                                          \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                     \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                                     \
+    }
+KBIT_DEFINE_MMA_M16N8K16(__half, "f16")
+KBIT_DEFINE_MMA_M16N8K16(__nv_bfloat16, "bf16")
+#undef KBIT_DEFINE_MMA_M16N8K16
 // 32-bit shared load at a byte address; not volatile: the LUT is read-only after its barrier and the
 // address depends on ring data, so the load cannot move above either; PTX ISA 9.7.9.8
 __device__ __forceinline__ uint32_t lds32(uint32_t s_addr) {
