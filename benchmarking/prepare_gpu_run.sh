@@ -4,7 +4,7 @@
 # with its native library). benchmarking/run_gpu.sh then runs there with PYTHONPATH=.whl/site.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-arch="${KBIT_CUDA_ARCHS:-90}"
+arch="${KBIT_CUDA_ARCHS:-90a}"
 rm -rf dist .whl/site
 KBIT_CUDA_ARCHS="$arch" python3 -m pip wheel --no-deps -w dist . >/dev/null
 mkdir -p .whl

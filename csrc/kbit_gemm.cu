@@ -1,6 +1,7 @@
 // kbit_gemm.cu: instantiations, host launchers, the dispatch function and the C ABI of the fused
 // k-bit GEMM. The design (tiles, layout, pipeline, split-K) is in the block atop kbit_gemm.cuh.
 #include "kbit_gemm.cuh"
+#include "kbit_gemm_wgmma.cuh"
 
 #include <cstdio>
 #include <cstring>
@@ -40,13 +41,18 @@ static bool check_launch(const char* what) {
     X(4, 4, 2, 2) /* M > 16:        256 x 32 (and M > 32 when the wide tiles would not fill 1/8 of the SMs) */      \
     X(5, 8, 2, 1) /* M > 32 ("wide"): 256 x 64, 226 KB (sm_90)                                               */
 
-constexpr int NUM_CONFIGS = 6;
+// wgmma configs (KbitWgmmaConfig, sm_90a only: kbit_gemm_wgmma.cuh; 8 warps along n, one CTA per SM):
+//   id  TOK MT WARPS   reason
+#define KBIT_WGMMA_TABLE(X)                                                                                          \
+    X(6, 64, 1, 16) /* M > 32, k <= 4 on sm_90a: 256 rows x 64 tokens, 4 warpgroups; replaces the wide config */
+constexpr int NUM_CONFIGS = 7;
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
 constexpr int WIDE_CONFIG = 5;            // MB = 8
+constexpr int FIRST_WGMMA_CONFIG = 6;
 
 struct ConfigInfo {
     int mb, mt, warps_n, warps_k;
-    int shared_a_ctas; // shared-A configs: CTAs per SM; 0 for configs 0-1
+    int shared_a_ctas; // shared-A and wgmma configs: CTAs per SM; 0 for configs 0-1
     int tile_m() const { return 8 * mb; }
     int tile_n() const { return UNIT_ROWS * mt * warps_n; }
     // = KbitGemmConfig::CTAS_PER_SM / KbitSharedAConfig::SHARED_A_CTAS_PER_SM
@@ -66,6 +72,10 @@ static ConfigInfo config_info(int id) {
     case ID: return ConfigInfo{MB, MT, 8, 1, CTAS};
         KBIT_SHARED_A_TABLE(KBIT_SHARED_A_INFO)
 #undef KBIT_SHARED_A_INFO
+#define KBIT_WGMMA_INFO(ID, TOK, MT, WARPS)                                                                          \
+    case ID: return ConfigInfo{TOK / 8, MT, WARPS, 1, 1};
+        KBIT_WGMMA_TABLE(KBIT_WGMMA_INFO)
+#undef KBIT_WGMMA_INFO
     }
     return ConfigInfo{1, 1, 1, 1, 0};
 }
@@ -83,6 +93,31 @@ static int device_smem_optin() {
 }
 
 
+// the wgmma configs run when the library holds sm_90a code (CMake defines KBIT_WGMMA_BUILT when the
+// architecture list has 90a) and the current device is compute capability 9.0
+static bool wgmma_available() {
+#ifdef KBIT_WGMMA_BUILT
+    static int s_cc[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 64) dev = 63;
+    if (s_cc[dev] == 0) {
+        int major = 0, minor = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+        s_cc[dev] = 10 * major + minor;
+    }
+    return s_cc[dev] == 90;
+#else
+    return false;
+#endif
+}
+static bool config_available(int id) {
+    if (id < 0 || id >= NUM_CONFIGS) return false;
+    if (id >= FIRST_WGMMA_CONFIG) return wgmma_available();
+    if (id == WIDE_CONFIG) return device_smem_optin() >= 226 * 1024;
+    return true;
+}
 // ---------------------------------------------------------------------------------------------
 // Dispatch: the ONE place that maps a problem to a kernel config and a split count.
 // ---------------------------------------------------------------------------------------------
@@ -98,6 +133,9 @@ static int device_smem_optin() {
 //   M > 32 with few wide tiles: 1024 x 4096 M=64: 4 14.2 vs 5 19.7; 4096 x 4096 M=64: 21.4 vs 22.1,
 //     M=128 (32 tiles): 28.8 vs 27.5.  M=128 with split-K in the wide config: 4096 x 14336 65.2 us
 //     (the MB-4 per-warp config without enough tiles: 139.8)
+//   wgmma (config 6, kbit_gemm_wgmma.cuh) vs the wide config 5, H100, us: 28672 x 8192 k = 4 M=64 121.2 vs 127.0,
+//     M=128 251.0 vs 268.1, M=256 509.7 vs 531.1; 14336 x 4096 M=64 39.6 vs 42.9; 8192 x 8192 M=256 126.1 vs 139.0;
+//     k = 2 4-10% faster too; k = 5 -3..+3% (kept on the wide config)
 // A shared-A config (and the wide tile over the 32-token one) is taken when its CTA tiles x k-steps
 // >= 6 x SMs: enough work per SM that split-K keeps the 256-row CTAs busy. 4096 x 4096 (512) stays
 // below, 4096 x 4096 M=128 (1024) and 4096 x 14336 M=64 (1792; wide 41.1 vs 44.6) above.
@@ -155,6 +193,8 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
     int config = FIRST_SHARED_A_CONFIG + (M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3);
     if (config == WIDE_CONFIG && (device_smem_optin() < 226 * 1024 || !enough_work(config)))
         config = WIDE_CONFIG - 1; // 32-token tiles: twice the CTAs, 112 KB
+    if (config == WIDE_CONFIG && k_bits <= 4 && wgmma_available())
+        config = FIRST_WGMMA_CONFIG; // same tile, wgmma (kbit_gemm_wgmma.cuh)
     if (M <= PER_WARP_MAX_M && (!enough_work(config) || (k_bits == 5 && M <= 2)))
         config = M <= PER_WARP_SMALL_M_MAX ? 0 : 1;
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
@@ -232,6 +272,24 @@ template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, 
     check_launch("ckbit_gemm shared-A");
 }
 
+template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
+    if (!wgmma_available()) {
+        set_error("ckbit_gemm", "the wgmma configs need a compute capability 9.0 GPU and a library built for sm_90a");
+        return;
+    }
+    if (Cfg::SMEM_BYTES > device_smem_optin()) {
+        set_error("ckbit_gemm", "this wgmma config needs more shared memory per block than the device allows");
+        return;
+    }
+    static bool s_attr_set[64] = {};
+    if (!allow_dynamic_smem(kbit_gemm_wgmma_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set)) return;
+    p.k_splits = k_splits;
+    p.ks_per_split = ceil_div(p.k_steps, k_splits);
+    p.a_rows = Cfg::TOK;
+    const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N) * ceil_div(p.M, Cfg::TOK), k_splits);
+    kbit_gemm_wgmma_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
+    check_launch("ckbit_gemm wgmma");
+}
 template <int K_BITS, typename T, bool ABS_U8>
 static void gemm(const void* A, const int* B_packed, const void* B_absmax, const float* codebook, int codebook_len,
                  const void* bias, void* C, int M, int N, int K_dim, int lda, void* workspace, size_t workspace_bytes,
@@ -286,6 +344,10 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     case ID: launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8>, T>(p, d.k_splits, stream); break;
         KBIT_SHARED_A_TABLE(KBIT_LAUNCH_SHARED_A)
 #undef KBIT_LAUNCH_SHARED_A
+#define KBIT_LAUNCH_WGMMA(ID, TOK, MT, WARPS)                                                                        \
+    case ID: launch_wgmma<KbitWgmmaConfig<K_BITS, TOK, MT, WARPS, ABS_U8>, T>(p, d.k_splits, stream); break;
+        KBIT_WGMMA_TABLE(KBIT_LAUNCH_WGMMA)
+#undef KBIT_LAUNCH_WGMMA
     }
 }
 
@@ -345,6 +407,8 @@ size_t ckbit_gemm_workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_co
 }
 
 int ckbit_gemm_num_configs(void) { return kbit::NUM_CONFIGS; }
+
+int ckbit_gemm_config_available(int config) { return kbit::config_available(config) ? 1 : 0; }
 
 size_t ckbit_tiled_words(int k_bits, int N, int K_dim) {
     const size_t units = (size_t)((N + kbit::UNIT_ROWS - 1) / kbit::UNIT_ROWS) * ((K_dim + kbit::UNIT_K - 1) / kbit::UNIT_K);

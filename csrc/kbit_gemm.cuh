@@ -775,6 +775,21 @@ __device__ __forceinline__ void lookup_frag_a(uint32_t (&frag_a)[4], const uint3
     }
 }
 
+// the scaled A-operand fragments of quantization block BLK (MMAs u = 2 BLK, 2 BLK + 1) of one unit
+template <class Cfg, typename T, int BLK>
+__device__ __forceinline__ void dequant_block(uint32_t (&frag0)[4], uint32_t (&frag1)[4], const uint32_t* r_w,
+                                              const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], uint32_t s_lut,
+                                              uint32_t lane_off) {
+    lookup_frag_a<Cfg, 2 * BLK>(frag0, r_w, s_lut, lane_off);
+    lookup_frag_a<Cfg, 2 * BLK + 1>(frag1, r_w, s_lut, lane_off);
+    const uint32_t sc_g = scale_pair<Cfg, T>(r_abs, BLK), sc_g8 = scale_pair<Cfg, T>(r_abs, 4 + BLK);
+#pragma unroll
+    for (int j = 0; j < 4; j++) { // register j: row g (j even) or g + 8 (j odd)
+        frag0[j] = Pack2<T>::mul(frag0[j], (j & 1) ? sc_g8 : sc_g);
+        frag1[j] = Pack2<T>::mul(frag1[j], (j & 1) ? sc_g8 : sc_g);
+    }
+}
+
 // dequant + MMAs of quantization block BLK (MMAs u = 2 BLK, 2 BLK + 1) of one unit, for MB token tiles
 // whose B fragments are r_b[mb] (.x, .y: k16 step 0; .z, .w: step 1)
 template <class Cfg, typename T, int BLK>
@@ -782,9 +797,9 @@ __device__ __forceinline__ void block_mma(float (&acc)[Cfg::MB][4], const uint32
                                           const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
                                           const uint4 (&r_b)[Cfg::MB], uint32_t s_lut, uint32_t lane_off) {
     uint32_t frag0[4], frag1[4];
-    lookup_frag_a<Cfg, 2 * BLK>(frag0, r_w, s_lut, lane_off);
-    lookup_frag_a<Cfg, 2 * BLK + 1>(frag1, r_w, s_lut, lane_off);
     if constexpr (Cfg::POST_SCALE) {
+        lookup_frag_a<Cfg, 2 * BLK>(frag0, r_w, s_lut, lane_off);
+        lookup_frag_a<Cfg, 2 * BLK + 1>(frag1, r_w, s_lut, lane_off);
         const float s_g = scale_f32<Cfg>(r_abs, BLK), s_g8 = scale_f32<Cfg>(r_abs, 4 + BLK);
 #pragma unroll
         for (int mb = 0; mb < Cfg::MB; mb++) {
@@ -797,12 +812,7 @@ __device__ __forceinline__ void block_mma(float (&acc)[Cfg::MB][4], const uint32
             acc[mb][3] = fmaf(s_g8, d[3], acc[mb][3]);
         }
     } else {
-        const uint32_t sc_g = scale_pair<Cfg, T>(r_abs, BLK), sc_g8 = scale_pair<Cfg, T>(r_abs, 4 + BLK);
-#pragma unroll
-        for (int j = 0; j < 4; j++) { // register j: row g (j even) or g + 8 (j odd)
-            frag0[j] = Pack2<T>::mul(frag0[j], (j & 1) ? sc_g8 : sc_g);
-            frag1[j] = Pack2<T>::mul(frag1[j], (j & 1) ? sc_g8 : sc_g);
-        }
+        dequant_block<Cfg, T, BLK>(frag0, frag1, r_w, r_abs, s_lut, lane_off);
 #pragma unroll
         for (int mb = 0; mb < Cfg::MB; mb++) {
             mma_m16n8k16(acc[mb], frag0, r_b[mb].x, r_b[mb].y, T());

@@ -8,7 +8,7 @@ name="$1"; shift
 b=build/py3-none-linux_x86_64
 o=$b/CMakeFiles/bitsandbytes_kbit_cuda.dir/csrc
 mkdir -p .whl/variants /tmp/kbit_variant
-nvcc -I csrc -O3 -DNDEBUG --generate-code=arch=compute_90,code=sm_90 -Xcompiler=-fPIC --expt-relaxed-constexpr \
+nvcc -I csrc -O3 -DNDEBUG --generate-code=arch=compute_90a,code=sm_90a -DKBIT_WGMMA_BUILT=1 -Xcompiler=-fPIC --expt-relaxed-constexpr \
     -std=c++17 "$@" -x cu -c csrc/kbit_gemm.cu -o /tmp/kbit_variant/$name.o
 g++ -fPIC -O3 -shared -o .whl/variants/$name.so $o/kernels.cu.o $o/ops.cu.o /tmp/kbit_variant/$name.o \
     $o/pythonInterface.cpp.o -L/usr/local/cuda-13.0/targets/x86_64-linux/lib /usr/local/cuda-13.0/lib/libcudart_static.a \

@@ -8,6 +8,7 @@ import argparse
 import torch
 
 import bitsandbytes_kbit.functional as F
+from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
 
 
 def main():
@@ -15,6 +16,7 @@ def main():
     ap.add_argument("--shape", default="28672x8192")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--configs", nargs="+", type=int, default=[-1], help="forced configs (-1: the dispatcher's)")
     args = ap.parse_args()
     N, K = (int(x) for x in args.shape.split("x"))
     W = (torch.randn(N, K, device="cuda") * 0.02).half()
@@ -23,8 +25,12 @@ def main():
         packed, absmax, cb = F.quantize_kbit(W, k=k)
         Bp, Ba = F.repack_kbit(packed, absmax, k, N, K)
         torch.cuda.synchronize()
-        F.kbit_gemm(A, Bp, Ba, cb, k, N, K)
-        torch.cuda.synchronize()
+        for config in args.configs:
+            if config < 0:
+                F.kbit_gemm(A, Bp, Ba, cb, k, N, K)
+            else:
+                kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K, None, torch.empty(args.m, N, dtype=A.dtype, device=A.device), config=config)
+            torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

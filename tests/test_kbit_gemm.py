@@ -174,9 +174,9 @@ def test_cuda_gemm(M, N, K_dim, k, dtype):
 def test_cuda_gemm_every_config_and_sm_count(k):
     """Every compiled config through the override, and dispatch planned for SM counts from 1 to
     1000: more k-splits than work, one split, uneven splits; the answer must not change."""
-    from bitsandbytes_kbit.backends.cuda.ops import gemm_num_configs
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available, gemm_num_configs
 
-    for config in range(-1, gemm_num_configs()):
+    for config in [-1] + [c for c in range(gemm_num_configs()) if gemm_config_available(c)]:
         for sm_count in (1, 7, 132, 1000):
             for M, N, K_dim in ((1, 1000, 14336), (3, 576, 576), (40, 4096, 4096), (300, 1000, 1024)):
                 run_case(M, N, K_dim, k, torch.float16, config=config, sm_count=sm_count)
@@ -241,12 +241,27 @@ def test_cuda_gemm_every_config_bf16_fp16_absmax(k):
     """Every config (forced) with bf16 activations, fp16 absmax and bias: the scale conversion through
     fp32 and the 16-byte absmax copies in each kernel, at an M of two token tiles for configs 0 and 2
     and a partial tile for the wider ones."""
-    from bitsandbytes_kbit.backends.cuda.ops import gemm_num_configs
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available, gemm_num_configs
 
-    for config in range(gemm_num_configs()):
+    for config in [c for c in range(gemm_num_configs()) if gemm_config_available(c)]:
         for sm_count in (7, 132):
             run_case(9, 1000, 1312, k, torch.bfloat16, absmax_format="fp16", bias=True, config=config,
                      sm_count=sm_count)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", KS)
+def test_cuda_gemm_every_config_token_tiles(k):
+    """Every config the device can run (the Hopper wgmma ones included), forced, at token counts
+    around the 64- and 128-token tiles (partial tiles, several m tiles) and with split-K planned for
+    7 and 132 SMs: fp16 and bf16, bias on odd M, an N that is not a multiple of the 128 / 256 rows
+    of a CTA tile."""
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available, gemm_num_configs
+
+    for config in [c for c in range(gemm_num_configs()) if gemm_config_available(c)]:
+        for M, sm_count in ((33, 132), (64, 7), (65, 132), (129, 7), (300, 132)):
+            dtype = torch.bfloat16 if M % 2 else torch.float16
+            run_case(M, 1000, 1312, k, dtype, bias=M % 2 == 1, config=config, sm_count=sm_count)
 
 
 @pytest.mark.cuda

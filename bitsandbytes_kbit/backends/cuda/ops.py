@@ -52,7 +52,13 @@ def entry_point_names() -> list[str]:
             for a in (_GEMM_ABSMAX_NAME if gemm else _ABSMAX_NAME).values():
                 for k in SUPPORTED_K:
                     names.add(template.format(dtype=d, absmax=a, k=k))
-    return sorted(names) + ["ckbit_gemm_workspace_bytes", "ckbit_gemm_num_configs", "ckbit_error_string", "ckbit_last_error"]
+    return sorted(names) + [
+        "ckbit_gemm_workspace_bytes",
+        "ckbit_gemm_num_configs",
+        "ckbit_gemm_config_available",
+        "ckbit_error_string",
+        "ckbit_last_error",
+    ]
 
 
 @functools.cache
@@ -175,6 +181,17 @@ def gemm_num_configs() -> int:
     lib = get_lib()
     lib.ckbit_gemm_num_configs.restype = ct.c_int
     return lib.ckbit_gemm_num_configs()
+
+
+def gemm_config_available(config: int, device=None) -> bool:
+    """Whether `config` can run on ``device`` (the current one by default): the wgmma configs need a
+    compute capability 9.0 GPU and a library built for sm_90a, the widest shared-A one 226 KB of
+    shared memory per block."""
+    lib = get_lib()
+    lib.ckbit_gemm_config_available.restype = ct.c_int
+    lib.ckbit_gemm_config_available.argtypes = [ct.c_int]
+    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        return bool(lib.ckbit_gemm_config_available(config))
 
 
 def _dequantize_tiled_block(B_packed, B_absmax, codebook, k, N, K_dim, n_begin, n_end, k_begin, k_end, out) -> None:
