@@ -216,8 +216,8 @@ def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.
 
 # The large-M path: above STAGED_MIN_M tokens the product is bound by the tensor cores, and
 # dequantizing the weight in chunks to a cached scratch and letting cuBLAS multiply beats the
-# fused mma.sync kernel (H200, dev/sm90/staged.py and benchmarking/bench_kbit_gemm.py). M <= 256
-# never takes it, so no fp16 copy of W is made there. The scratch holds at most STAGING_BYTES (one
+# fused kernels (H200: dev/sm90/staged.py, in git history up to commit 8797cd7, and
+# benchmarking/bench_kbit_gemm.py). M <= 256 never takes it, so no fp16 copy of W is made there. The scratch holds at most STAGING_BYTES (one
 # chunk), per device and dtype, and is never allocated under CUDA-graph capture (the fused kernel
 # runs instead).
 STAGED_MIN_M = 257
