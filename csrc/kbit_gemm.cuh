@@ -17,11 +17,13 @@
 //      CTA   = WARPS_N x WARPS_K warps: along n different rows (same A), along k contiguous chunks of
 //              the CTA's k-steps, reduced in shared memory at the end
 //      grid  = (n_ctas, k_splits, m_tiles); k_splits > 1 reduces through the workspace (section 5)
-//    Configs (kbit_gemm.cu, two tables):
+//    Configs (kbit_gemm.cu, three tables):
 //      per-warp ring (kbit_gemm_kernel): 0 = MB 1, 1 = MB 2; MT = 2, 8 warps = 2 (n) x 4 (k), 64-row
 //        CTAs: small weights at M <= 16, where 4x the CTAs of the shared-A tile keep the GPU busy
 //      shared-A (kbit_gemm_shared_a_kernel): 2..5 = MB 1, 2, 4, 8; MT = 2, 8 warps along n, 256-row CTAs,
 //        the A tile of a k-step staged once per CTA (section 4); MB 8 ("wide") takes the SM alone
+//      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
+//        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 and k <= 4 on Hopper
 //          k:  0         128        256   ...      K_pad
 //        n 0   +----------+----------+----
 //              | unit     | unit     |      config 0 CTA: rows 0..63 = warps wn 0,1 (32 rows each);
