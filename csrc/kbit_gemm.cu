@@ -239,57 +239,60 @@ template <typename Kernel> static bool allow_dynamic_smem(Kernel kernel, int byt
     return true;
 }
 
-template <class Cfg, typename T>
-static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
-    if (Cfg::SMEM_BYTES_MAX > device_smem_optin()) {
-        set_error("ckbit_gemm", "this config needs more shared memory per block than the device allows");
-        return;
+// What every launcher does first: check that the config's shared memory fits the device, opt the kernel into
+// it (once per device; `attr_set`: the launcher's per-instantiation flags) and write the split plan into p.
+// false, with the message set, when the device cannot run it.
+template <typename Kernel>
+static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], KbitGemmParams& p, int k_splits,
+                           const char* config_kind) {
+    const int optin = device_smem_optin();
+    if (smem_bytes > optin) {
+        char d[160];
+        snprintf(d, sizeof(d), "this %s config needs %d bytes of shared memory per block; the device allows %d",
+                 config_kind, smem_bytes, optin);
+        set_error("ckbit_gemm", d);
+        return false;
     }
-    static bool s_attr_set[64] = {};
-    if (!allow_dynamic_smem(kbit_gemm_kernel<Cfg, T>, Cfg::SMEM_BYTES_MAX, s_attr_set)) return;
-    const int n_ctas = ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N);
-    const int m_tiles = ceil_div(p.M, Cfg::TILE_M);
+    if (!allow_dynamic_smem(kernel, smem_bytes, attr_set)) return false;
     p.k_splits = k_splits;
     p.ks_per_split = ceil_div(p.k_steps, k_splits);
-    const dim3 grid(n_ctas, k_splits, m_tiles);
+    return true;
+}
+
+template <class Cfg, typename T>
+static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
+    static bool s_attr_set[64] = {};
+    if (!prepare_launch(kbit_gemm_kernel<Cfg, T>, Cfg::SMEM_BYTES_MAX, s_attr_set, p, k_splits, "per-warp")) return;
     p.a_rows = p.M < Cfg::TILE_M ? p.M : Cfg::TILE_M;
+    const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N), k_splits, ceil_div(p.M, Cfg::TILE_M));
     kbit_gemm_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::smem_bytes(p.a_rows), stream>>>(p);
     check_launch("ckbit_gemm");
 }
 
 template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
-    if (Cfg::SHARED_A_SMEM_BYTES > device_smem_optin()) {
-        set_error("ckbit_gemm", "this shared-A config needs more shared memory per block than the device allows");
-        return;
-    }
     static bool s_attr_set[64] = {};
-    if (!allow_dynamic_smem(kbit_gemm_shared_a_kernel<Cfg, T>, Cfg::SHARED_A_SMEM_BYTES, s_attr_set)) return;
-    p.k_splits = k_splits;
-    p.ks_per_split = ceil_div(p.k_steps, k_splits);
+    if (!prepare_launch(kbit_gemm_shared_a_kernel<Cfg, T>, Cfg::SHARED_A_SMEM_BYTES, s_attr_set, p, k_splits, "shared-A"))
+        return;
     p.a_rows = Cfg::TILE_M;
     const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N), k_splits, ceil_div(p.M, Cfg::TILE_M));
     kbit_gemm_shared_a_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SHARED_A_SMEM_BYTES, stream>>>(p);
     check_launch("ckbit_gemm shared-A");
 }
 
+// grid: m tile fastest (kbit_gemm_wgmma.cuh section 5)
 template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     if (!wgmma_available()) {
         set_error("ckbit_gemm", "the wgmma configs need a compute capability 9.0 GPU and a library built for sm_90a");
         return;
     }
-    if (Cfg::SMEM_BYTES > device_smem_optin()) {
-        set_error("ckbit_gemm", "this wgmma config needs more shared memory per block than the device allows");
-        return;
-    }
     static bool s_attr_set[64] = {};
-    if (!allow_dynamic_smem(kbit_gemm_wgmma_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set)) return;
-    p.k_splits = k_splits;
-    p.ks_per_split = ceil_div(p.k_steps, k_splits);
+    if (!prepare_launch(kbit_gemm_wgmma_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, k_splits, "wgmma")) return;
     p.a_rows = Cfg::TOK;
     const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N) * ceil_div(p.M, Cfg::TOK), k_splits);
     kbit_gemm_wgmma_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
     check_launch("ckbit_gemm wgmma");
 }
+
 template <int K_BITS, typename T, bool ABS_U8>
 static void gemm(const void* A, const int* B_packed, const void* B_absmax, const float* codebook, int codebook_len,
                  const void* bias, void* C, int M, int N, int K_dim, int lda, void* workspace, size_t workspace_bytes,
