@@ -44,7 +44,7 @@ static bool check_launch(const char* what) {
 // wgmma configs (KbitWgmmaConfig, sm_90a only: kbit_gemm_wgmma.cuh; 8 warps along n, one CTA per SM):
 //   id  TOK MT WARPS   reason
 #define KBIT_WGMMA_TABLE(X)                                                                                          \
-    X(6, 64, 1, 16) /* M > 32, k <= 4 on sm_90a: 256 rows x 64 tokens, 4 warpgroups; replaces the wide config */
+    X(6, 64, 1, 16) /* M > 32 on sm_90a: 256 rows x 64 tokens, 4 warpgroups; replaces the wide config */
 constexpr int NUM_CONFIGS = 7;
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
 constexpr int WIDE_CONFIG = 5;            // MB = 8
@@ -133,13 +133,18 @@ static bool config_available(int id) {
 //   M > 32 with few wide tiles: 1024 x 4096 M=64: 4 14.2 vs 5 19.7; 4096 x 4096 M=64: 21.4 vs 22.1,
 //     M=128 (32 tiles): 28.8 vs 27.5.  M=128 with split-K in the wide config: 4096 x 14336 65.2 us
 //     (the MB-4 per-warp config without enough tiles: 139.8)
-//   wgmma (config 6, kbit_gemm_wgmma.cuh) vs the wide config 5, H100, us: 28672 x 8192 k = 4 M=64 121.2 vs 127.0,
-//     M=128 251.0 vs 268.1, M=256 509.7 vs 531.1; 14336 x 4096 M=64 39.6 vs 42.9; 8192 x 8192 M=256 126.1 vs 139.0;
-//     k = 2 4-10% faster too; k = 5 -3..+3% (kept on the wide config)
+//   wgmma (config 6, kbit_gemm_wgmma.cuh, tokens by 4-byte cp.async) vs the wide config 5, H100, us:
+//     k = 5 28672 x 8192 M=64 140.3 vs 155.8, M=256 541.6 vs 628.7; 8192 x 28672 M=64 126.3 vs 145.8;
+//     14336 x 4096 M=64 43.8 vs 49.2; k = 3 28672 x 8192 M=64 112.3 vs 129.2, 14336 x 4096 37.1 vs 43.6:
+//     config 6 for every k (k = 4: see kbit_gemm_wgmma.cuh section 7)
 // A shared-A config (and the wide tile over the 32-token one) is taken when its CTA tiles x k-steps
 // >= 6 x SMs: enough work per SM that split-K keeps the 256-row CTAs busy. 4096 x 4096 (512) stays
 // below, 4096 x 4096 M=128 (1024) and 4096 x 14336 M=64 (1792; wide 41.1 vs 44.6) above.
 constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
+// With few wide tiles the 32-token config's extra CTAs win at M <= 64, the wgmma config above (its
+// two 64-token passes against four 32-token ones; H100, 1024 x 4096 k = 4, us: M=64 14.5 vs 16.7,
+// M=80 18.6 vs 17.8, M=128 19.2 vs 18.1)
+constexpr int WGMMA_SMALL_WORK_MIN_M = 64;
 constexpr int PER_WARP_SMALL_M_MAX = 4;  // configs 0 (A in the ring) up to here, then 1
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
@@ -191,10 +196,10 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
     const long long k_steps = ceil_div(K_dim, UNIT_K);
     const auto enough_work = [&](int config) { return tiles(config) * k_steps >= SHARED_A_MIN_STEPS_PER_SM * sms; };
     int config = FIRST_SHARED_A_CONFIG + (M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3);
+    if (config == WIDE_CONFIG && wgmma_available() && (enough_work(config) || M > WGMMA_SMALL_WORK_MIN_M))
+        config = FIRST_WGMMA_CONFIG; // the wide tile with wgmma (kbit_gemm_wgmma.cuh), every k
     if (config == WIDE_CONFIG && (device_smem_optin() < 226 * 1024 || !enough_work(config)))
         config = WIDE_CONFIG - 1; // 32-token tiles: twice the CTAs, 112 KB
-    if (config == WIDE_CONFIG && k_bits <= 4 && wgmma_available())
-        config = FIRST_WGMMA_CONFIG; // same tile, wgmma (kbit_gemm_wgmma.cuh)
     if (M <= PER_WARP_MAX_M && (!enough_work(config) || (k_bits == 5 && M <= 2)))
         config = M <= PER_WARP_SMALL_M_MAX ? 0 : 1;
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
@@ -318,6 +323,10 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         d.config = config_override;
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
+    if (d.config >= FIRST_WGMMA_CONFIG && (long long)M * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
+        d.config = WIDE_CONFIG;
+        d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+    }
     const ConfigInfo ci = config_info(d.config);
     // fall back to fewer splits (finally none) when the caller's workspace is too small
     while (d.k_splits > 1 && workspace_bytes_for(ci, M, N, d.k_splits) > workspace_bytes) d.k_splits--;
@@ -331,6 +340,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     p.M = M;
     p.lda = lda;
     p.a_vec_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
+    p.a_word_ok = (reinterpret_cast<uintptr_t>(A) % 4 == 0) && (lda % 2 == 0);
     if (d.k_splits > 1) {
         p.counters = reinterpret_cast<int*>(workspace);  // [ctas], ctas <= MAX_SPLIT_CTAS
         p.partials = reinterpret_cast<float*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES);

@@ -23,7 +23,7 @@
 //      shared-A (kbit_gemm_shared_a_kernel): 2..5 = MB 1, 2, 4, 8; MT = 2, 8 warps along n, 256-row CTAs,
 //        the A tile of a k-step staged once per CTA (section 4); MB 8 ("wide") takes the SM alone
 //      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
-//        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 and k <= 4 on Hopper
+//        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper
 //          k:  0         128        256   ...      K_pad
 //        n 0   +----------+----------+----
 //              | unit     | unit     |      config 0 CTA: rows 0..63 = warps wn 0,1 (32 rows each);
@@ -504,6 +504,7 @@ struct KbitGemmParams {
     int n16_tiles;          // N_pad / UNIT_ROWS
     int k_splits, ks_per_split;
     int a_vec_ok;           // A 16-byte aligned and lda % 8 == 0
+    int a_word_ok;          // A 4-byte aligned and lda % 2 == 0
     int a_rows;             // token rows of A staged per k-step: min(M, TILE_M)
 };
 

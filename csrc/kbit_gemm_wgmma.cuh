@@ -34,20 +34,21 @@
 //    swizzle (16-byte chunk c of row r at chunk c ^ (r % 8); atoms 1024-aligned), K-major, one
 //    descriptor per k16 step (start + 32 B within the row, SBO = 1024). The tiled weight permutes k
 //    inside each 32-block (kbit_gemm.cuh section 3: slot 2t+e of k16 step s holds real k 8t+4s+e, slot
-//    2t+8+e holds 8t+4s+2+e), so the token rows are stored permuted the same way: a thread loads one
-//    (token, block) = 4 x 16 bytes (real k 8t..8t+7, t = 0..3) into registers and stores chunk (s, h) =
-//    word 2s+h of each of the 4: a 4 x 4 transpose of 32-bit words, register renaming only. The loads
-//    of step i+2 are issued during step i and stored after the barrier of step i+1, into a 3-slot ring.
+//    2t+8+e holds 8t+4s+2+e), so the token rows are stored permuted the same way: chunk (s, h) of a
+//    block holds word 2s+h of each of its 4 real-k chunks t = 0..3 (k 8t..8t+7), a permutation of
+//    32-bit words, so the tokens travel by 4-byte cp.async straight into the ring (8 per thread and
+//    k-step), W_STAGES - 1 k-steps ahead in the same commit groups as the weights. The ring has
+//    W_STAGES + 1 slots: the wgmmas of step i-1 may still read theirs while step i + W_STAGES - 1 lands.
 //
-// 4. Synchronisation per k-step i: cp.async.wait (this warp's weights of step i), fence.proxy.async
-//    (this thread's token stores of step i are seen by wgmma's async proxy), __syncthreads; refill
-//    the weight ring and store the tokens of step i+1 into slot (i+1) % 3, which held step i-2; then per
-//    block: wgmma.wait_group 3 (the group of the same block one k-step ago no longer reads its fragment
-//    registers; by block 3 all of step i-1 is done, so slot (i+2) % 3 is free after the next barrier),
+// 4. Synchronisation per k-step i: cp.async.wait (this thread's weights and tokens of step i),
+//    fence.proxy.async (its token words are seen by wgmma's async proxy), __syncthreads; copy step
+//    i + W_STAGES - 1 (weights into this warp's ring, tokens into slot (i - 2) % A_STAGES); then per block:
+//    wgmma.wait_group 3 (the group of the same block one k-step ago no longer reads its fragment
+//    registers; by block 3 all of step i-1 is done, so its token slot is free after the next barrier),
 //    scale MT x 2 fragments, wgmma.fence, MT x 2 wgmmas, commit. Three groups stay in flight. The LUT
 //    reads of block b+1 are issued before block b is scaled (software pipeline of one block).
 //
-// 5. Grid: one CTA per SM (161-177 KB of shared memory), tile = blockIdx.x with the m tile fastest (the m tiles of one
+// 5. Grid: one CTA per SM (146-190 KB of shared memory), tile = blockIdx.x with the m tile fastest (the m tiles of one
 //    weight tile run together and share it through L2), blockIdx.y = k split (the same split-K
 //    heuristics and workspace slots as the other configs, M <= 256).
 //
@@ -61,11 +62,16 @@
 //    - 2 warpgroups with MT = 2 (256 x 64): 134.6 at M=64; 128 x 128 tiles (TOK = 128, MT = 1, 2 warpgroups):
 //      240.6 at M=64, 324.8 at M=128 (vs 255.0 here): not kept.
 //    - leave-one-out (KBIT_PROBE_WGMMA_NO_DEQUANT: weight words as fragments, no LUT reads;
-//      KBIT_PROBE_WGMMA_NO_MMA: no wgmma), M=64: full 122.3, without dequant 98.8, without wgmma 84.2; M=128:
-//      255.0 / 199.0 / 150.6. Without the dequant the loop still runs one k-step per ~1.8 us per SM for
-//      4.2 MFLOP: ~1/3 of the tensor peak, and the same for 64- and 128-token tiles, so the dequant is not
-//      the only cost; every k-step is bounded by per-step latency (one barrier, three groups in flight),
-//      which a deeper multi-k-step pipeline (or a producer warpgroup) would have to remove.
+//      KBIT_PROBE_WGMMA_NO_MMA: no wgmma), M=64: full 122.3, without dequant 98.8, without wgmma 84.2, without
+//      both 83.9 (floor of the weight bytes 41); without both and without the token copies 50.4, and the full
+//      kernel without the token copies 74.8. The tokens then went global -> registers -> shared one k-step
+//      ahead (16-byte loads, the transpose in registers), and every k-step waited for them: an L2 round
+//      trip per k-step. A deeper weight ring changed nothing (6 / 8 stages: 127.0 / 128.9).
+//    - tokens by 4-byte cp.async W_STAGES - 1 k-steps ahead (this version): M=64 120.8 -> 100.9, M=128
+//      251.8 -> 206.0, M=256 514.8 -> 414.4; 14336 x 4096 M=64 40.2 -> 33.7; 8192 x 8192 41.1 -> 34.3; k = 2
+//      112.4 -> 94.9 (28672 x 8192); k = 3 and 5 now beat the wide mma.sync config by 10-17% (kbit_gemm.cu).
+//      ncu (M=64): 0.51 instructions issued per cycle and scheduler, ~1 eligible of 4 warps, 1.2 TB/s:
+//      still latency-bound, by the dequant chain (shared-memory LUT reads, one block of look-ahead).
 // ============================================================================================
 #pragma once
 
@@ -81,17 +87,18 @@ struct KbitWgmmaConfig : KbitGemmConfig<K_BITS_, TOK_ / 8, MT_, WARPS_, 1, ABS_U
     static_assert(TOK == 64 || TOK == 128, "wgmma m64n64k16 or m64n128k16");
     static constexpr int A_HALF_BYTES = TOK * 128;  // k 0..63 (or 64..127) of one k-step: TOK swizzled rows
     static constexpr int A_STAGE_BYTES = 2 * A_HALF_BYTES;
-    static constexpr int A_STAGES = 3;              // step i read by wgmma, i+1 stored, i-1's last groups may run
     static constexpr int W_STAGE_BYTES = 4 * (Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS); // per warp
-    static constexpr int FIXED_BYTES = 1024 /* alignment slack */ + A_STAGES * A_STAGE_BYTES + 4 * Base::LUT_WORDS;
+    // W_STAGES k-steps of weights (per warp) and of tokens share the commit groups; the token ring has one
+    // slot more, because step i-1's wgmmas may still read theirs while step i + W_STAGES - 1 is copied
+    static constexpr int FIXED_BYTES = 1024 /* alignment slack */ + A_STAGE_BYTES + 4 * Base::LUT_WORDS;
     static constexpr int BUDGET_BYTES = 226 * 1024;
-    static constexpr int W_STAGES_FIT = (BUDGET_BYTES - FIXED_BYTES) / (Base::WARPS * W_STAGE_BYTES);
+    static constexpr int W_STAGES_FIT = (BUDGET_BYTES - FIXED_BYTES) / (Base::WARPS * W_STAGE_BYTES + A_STAGE_BYTES);
     static constexpr int W_STAGES = W_STAGES_FIT > 4 ? 4 : W_STAGES_FIT;
-    static_assert(W_STAGES >= 2, "the weight ring needs >= 2 stages");
-    static constexpr int SMEM_BYTES = FIXED_BYTES + W_STAGES * Base::WARPS * W_STAGE_BYTES;
-    static constexpr int A_PIECES_ALL = TOK * UNIT_BLOCKS;          // (token, block) pieces of a k-step
-    static constexpr int A_PIECES = (A_PIECES_ALL + Base::THREADS - 1) / Base::THREADS; // per thread
-    static_assert(A_PIECES_ALL % Base::THREADS == 0 || A_PIECES == 1, "token pieces spread evenly");
+    static_assert(W_STAGES >= 2, "the ring needs >= 2 stages");
+    static constexpr int A_STAGES = W_STAGES + 1;
+    static constexpr int SMEM_BYTES = FIXED_BYTES + W_STAGES * (Base::WARPS * W_STAGE_BYTES + A_STAGE_BYTES);
+    static constexpr int TOK_ROW_STEP = Base::THREADS / 64; // token rows one pass of the CTA copies (64 words each)
+    static_assert(TOK % TOK_ROW_STEP == 0 && TOK_ROW_STEP % 8 == 0, "a thread's token rows share one swizzle phase");
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -160,50 +167,70 @@ KBIT_WGMMA_RS_SPEC(__nv_bfloat16, "bf16", 128)
 #undef KBIT_ACC8
 
 // ---------------------------------------------------------------------------------------------
-// Token tile: global -> registers (one k-step ahead) -> permuted, swizzled shared stage
+// Token tile: global -> permuted, swizzled shared stage, 4-byte cp.async (the permutation moves 32-bit
+// words, section 3). Thread x copies word wd = x % 64 (real k 2 wd, 2 wd + 1 of the k-step) of token
+// rows x / 64 + j * TOK_ROW_STEP: consecutive threads read consecutive words of a row, and the 32 words a
+// warp writes land in 32 different banks (8 swizzled chunks x 4 words of one 128-byte row).
 // ---------------------------------------------------------------------------------------------
-// piece j of this thread: block blk = idx / TOK, token row = idx % TOK (consecutive threads take
-// consecutive rows, so the 8 rows of a store phase hit 8 different swizzled chunks)
-template <class Cfg>
-__device__ __forceinline__ void load_tokens(uint4 (&r_tok)[Cfg::A_PIECES][4], const KbitGemmParams& p, int m_base,
-                                            int kstep) {
-    const unsigned short* g_A = reinterpret_cast<const unsigned short*>(p.A);
+// cp.async 4 bytes, reading src_bytes (0: zero fill); PTX ISA 9.7.9.25
+__device__ __forceinline__ void cp_async_4_zfill(uint32_t s_addr, const void* g_ptr, uint32_t src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_addr), "l"(g_ptr), "r"(src_bytes));
+}
+__device__ __forceinline__ void sts32(uint32_t s_addr, uint32_t v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(s_addr), "r"(v));
+}
+
+// Per-thread token read position, advanced by one k-step per call. 32-bit byte offsets into A (the
+// launcher keeps A below 4 GiB on this path); rows past M and blocks past K_dim are zero-filled.
+template <class Cfg> struct TokenCursor {
+    uint32_t off;      // bytes from A to (token m_base + x / 64, real k = kstep * 128 + 2 (x % 64))
+    uint32_t row_step; // bytes between the rows of one thread: TOK_ROW_STEP rows of A
+    uint32_t rows_ok;  // bit j: row j of this thread is < M
+    int k_blk;         // first k of this thread's block at the current k-step
+    uint32_t s_off;    // this thread's word in a token stage (row x / 64, swizzled chunk, word t)
+
+    __device__ __forceinline__ void init(const KbitGemmParams& p, int m_base, int kstep) {
+        const int wd = threadIdx.x % 64, row0 = threadIdx.x / 64;
+        const int blk = wd / 16, t = (wd / 4) % 4, w = wd % 4; // chunk (s, h) = w of block blk, word t of it
+        off = (uint32_t)((m_base + row0) * p.lda + kstep * UNIT_K + 2 * wd) * 2u;
+        row_step = (uint32_t)(Cfg::TOK_ROW_STEP * p.lda) * 2u;
+        rows_ok = 0;
 #pragma unroll
-    for (int j = 0; j < Cfg::A_PIECES; j++) {
-        const int idx = threadIdx.x + j * Cfg::THREADS;
-        if (Cfg::A_PIECES_ALL < Cfg::THREADS && idx >= Cfg::A_PIECES_ALL) break;
-        const int blk = idx / Cfg::TOK, row = idx % Cfg::TOK;
-        const int m = m_base + row, k = kstep * UNIT_K + blk * BLOCK_ELEMS;
-        const bool ok = m < p.M && k < p.K_dim; // K_dim % 32 == 0: a block is all in or all out
-        const unsigned short* src = g_A + (long long)(ok ? m : 0) * p.lda + (ok ? k : 0);
+        for (int j = 0; j < Cfg::TOK / Cfg::TOK_ROW_STEP; j++)
+            rows_ok |= (m_base + row0 + j * Cfg::TOK_ROW_STEP < p.M ? 1u : 0u) << j;
+        k_blk = kstep * UNIT_K + blk * BLOCK_ELEMS;
+        s_off = (blk / 2) * Cfg::A_HALF_BYTES + swizzle128(row0, (blk % 2) * 4 + w) + 4 * t;
+    }
+    __device__ __forceinline__ void advance() {
+        off += UNIT_K * 2;
+        k_blk += UNIT_K;
+    }
+};
+
+// the rows of one thread share a swizzle phase (TOK_ROW_STEP % 8 == 0): row j is j * TOK_ROW_STEP * 128 further
+template <class Cfg, bool WORD_OK>
+__device__ __forceinline__ void copy_tokens(uint32_t s_stage, const TokenCursor<Cfg>& cur, const KbitGemmParams& p) {
+    const char* g_A = reinterpret_cast<const char*>(p.A);
+    const bool k_ok = cur.k_blk < p.K_dim; // K_dim % 32 == 0: a block is all in or all out
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (ok) v = p.a_vec_ok ? __ldg(reinterpret_cast<const uint4*>(src + 8 * c)) : ldg_a_unaligned(src + 8 * c);
-            r_tok[j][c] = v;
+    for (int j = 0; j < Cfg::TOK / Cfg::TOK_ROW_STEP; j++) {
+        const bool ok = k_ok && ((cur.rows_ok >> j) & 1u);
+        const char* src = g_A + (ok ? cur.off + j * cur.row_step : 0u);
+        const uint32_t dst = s_stage + cur.s_off + j * Cfg::TOK_ROW_STEP * 128;
+        if constexpr (WORD_OK) {
+            cp_async_4_zfill(dst, src, ok ? 4u : 0u);
+        } else { // A or lda not 4-byte aligned: synchronous 2-byte loads (the slot is free all the same)
+            const unsigned short* h = reinterpret_cast<const unsigned short*>(src);
+            sts32(dst, ok ? (uint32_t)h[0] | ((uint32_t)h[1] << 16) : 0u);
         }
     }
 }
 
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
-    return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
-}
-
-// chunk (s, h) of a block = word 2s + h of its 4 real-k chunks t = 0..3 (section 3)
 template <class Cfg>
-__device__ __forceinline__ void store_tokens(uint32_t s_stage, const uint4 (&r_tok)[Cfg::A_PIECES][4]) {
-#pragma unroll
-    for (int j = 0; j < Cfg::A_PIECES; j++) {
-        const int idx = threadIdx.x + j * Cfg::THREADS;
-        if (Cfg::A_PIECES_ALL < Cfg::THREADS && idx >= Cfg::A_PIECES_ALL) break;
-        const int blk = idx / Cfg::TOK, row = idx % Cfg::TOK;
-        const uint32_t s_half = s_stage + (blk / 2) * Cfg::A_HALF_BYTES;
-#pragma unroll
-        for (int w = 0; w < 4; w++) // w = 2s + h
-            sts128(s_half + swizzle128(row, (blk % 2) * 4 + w),
-                   make_uint4(word_of(r_tok[j][0], w), word_of(r_tok[j][1], w), word_of(r_tok[j][2], w),
-                              word_of(r_tok[j][3], w)));
-    }
+__device__ __forceinline__ void copy_tokens_async(uint32_t s_stage, TokenCursor<Cfg>& cur, const KbitGemmParams& p) {
+    if (p.a_word_ok) copy_tokens<Cfg, true>(s_stage, cur, p);
+    else copy_tokens<Cfg, false>(s_stage, cur, p);
+    cur.advance();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -309,34 +336,28 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wgmma_kernel(const 
 
     StreamCursor<Cfg> cur;
     cur.init(p, n16_base, m_base, k_begin, lane);
-    for (int st = 0; st < WS - 1; st++) { // WS - 1 k-steps of weights in flight
+    TokenCursor<Cfg> tok;
+    tok.init(p, m_base, k_begin);
+    for (int st = 0; st < WS - 1; st++) { // WS - 1 k-steps of weights and tokens in flight
         if (st < n_steps) {
             load_stage_async<Cfg>(s_w_ring + st * Cfg::W_STAGE_BYTES, cur, lane);
             cur.advance();
+            copy_tokens_async<Cfg>(s_tok_ring + st * Cfg::A_STAGE_BYTES, tok, p);
         }
         cp_async_commit();
-    }
-    uint4 r_tok[Cfg::A_PIECES][4];
-    if (n_steps > 0) {
-        load_tokens<Cfg>(r_tok, p, m_base, k_begin);
-        store_tokens<Cfg>(s_tok_ring, r_tok);
-        if (n_steps > 1) load_tokens<Cfg>(r_tok, p, m_base, k_begin + 1);
     }
     build_lut<Cfg, T>(s_lut_ptr, p);
 
     for (int i = 0; i < n_steps; i++) {
-        cp_async_wait<WS - 2>();    // this lane's weights of step i landed
-        fence_proxy_async_shared(); // this thread's token stores of step i are visible to wgmma
+        cp_async_wait<WS - 2>();    // this thread's weights and tokens of step i landed
+        fence_proxy_async_shared(); // its token words of step i are visible to wgmma
         __syncthreads();            // ... everyone's; the LUT; every warp is past step i-1's block 3 wait
-        if (i + WS - 1 < n_steps) {
+        if (i + WS - 1 < n_steps) { // token slot (i + WS - 1) % AS held step i - 2: all its wgmmas retired
             load_stage_async<Cfg>(s_w_ring + ((i + WS - 1) % WS) * Cfg::W_STAGE_BYTES, cur, lane);
             cur.advance();
+            copy_tokens_async<Cfg>(s_tok_ring + ((i + WS - 1) % AS) * Cfg::A_STAGE_BYTES, tok, p);
         }
         cp_async_commit();
-        if (i + 1 < n_steps) { // slot (i+1) % 3 held step i-2, whose wgmmas all retired before the barrier
-            store_tokens<Cfg>(s_tok_ring + ((i + 1) % AS) * Cfg::A_STAGE_BYTES, r_tok);
-            if (i + 2 < n_steps) load_tokens<Cfg>(r_tok, p, m_base, k_begin + i + 2);
-        }
         compute_stage_wgmma<Cfg, T>(acc, frag, s_w_ring + (i % WS) * Cfg::W_STAGE_BYTES,
                                     s_tok_ring + (i % AS) * Cfg::A_STAGE_BYTES, s_lut, lane_off, lane);
     }
