@@ -70,12 +70,26 @@
 //    - tokens by 4-byte cp.async W_STAGES - 1 k-steps ahead (this version): M=64 120.8 -> 100.9, M=128
 //      251.8 -> 206.0, M=256 514.8 -> 414.4; 14336 x 4096 M=64 40.2 -> 33.7; 8192 x 8192 41.1 -> 34.3; k = 2
 //      112.4 -> 94.9 (28672 x 8192); k = 3 and 5 now beat the wide mma.sync config by 10-17% (kbit_gemm.cu).
-//      ncu (M=64): 0.51 instructions issued per cycle and scheduler, ~1 eligible of 4 warps, 1.2 TB/s:
-//      still latency-bound, by the dequant chain (shared-memory LUT reads, one block of look-ahead).
+//      ncu (M=64): 0.51 instructions issued per cycle and scheduler, ~1 eligible of 4 warps, 1.2 TB/s.
+//      The token copies first cost ~155 instructions per warp and k-step (64-bit address and bounds per
+//      row); TokenCursor (32-bit offsets, the row bounds as a mask computed once) brought them to ~50.
+//    - LUT reads two blocks ahead and/or two fragment slots (wgmma_wait<1>) instead of four
+//      (KBIT_WGMMA_LOOKAHEAD / KBIT_WGMMA_FRAG_SLOTS), H100 k = 4 M=64 / M=128: 86.4 / 184.2 here, 89.5 /
+//      189.7 (look-ahead 1, 2 slots), 89.3 / 198.2 (2, 2), 88.2 / 188.8 (2, 4); k = 3 and 14336 x 4096
+//      alike within +-4%. The one-block look-ahead with four slots stays.
 // ============================================================================================
 #pragma once
 
 #include "kbit_gemm.cuh"
+
+// blocks of LUT reads issued ahead of the block being multiplied, and fragment slots (wgmma groups in
+// flight per warpgroup = FRAG_SLOTS - 1); dev/build_variant.sh knobs, the defaults are the measured choice
+#ifndef KBIT_WGMMA_LOOKAHEAD
+#define KBIT_WGMMA_LOOKAHEAD 1
+#endif
+#ifndef KBIT_WGMMA_FRAG_SLOTS
+#define KBIT_WGMMA_FRAG_SLOTS 4
+#endif
 
 namespace kbit {
 
@@ -99,6 +113,10 @@ struct KbitWgmmaConfig : KbitGemmConfig<K_BITS_, TOK_ / 8, MT_, WARPS_, 1, ABS_U
     static constexpr int SMEM_BYTES = FIXED_BYTES + W_STAGES * (Base::WARPS * W_STAGE_BYTES + A_STAGE_BYTES);
     static constexpr int TOK_ROW_STEP = Base::THREADS / 64; // token rows one pass of the CTA copies (64 words each)
     static_assert(TOK % TOK_ROW_STEP == 0 && TOK_ROW_STEP % 8 == 0, "a thread's token rows share one swizzle phase");
+    static constexpr int LOOKAHEAD = KBIT_WGMMA_LOOKAHEAD;   // 1 or 2 blocks
+    static constexpr int RAW_SLOTS = LOOKAHEAD + 1;
+    static constexpr int FRAG_SLOTS = KBIT_WGMMA_FRAG_SLOTS; // 2 or 4
+    static_assert((LOOKAHEAD == 1 || LOOKAHEAD == 2) && (FRAG_SLOTS == 2 || FRAG_SLOTS == 4), "pipeline knobs");
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -241,32 +259,33 @@ __device__ __forceinline__ void copy_tokens_async(uint32_t s_stage, TokenCursor<
 template <class Cfg> struct WgmmaStep {
     uint32_t r_w[Cfg::MT][Cfg::Fmt::LANE_WORDS];
     uint32_t r_abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
-    uint32_t raw[2][Cfg::MT][2][4]; // unscaled LUT values of blocks b (parity b % 2)
+    uint32_t raw[Cfg::RAW_SLOTS][Cfg::MT][2][4]; // unscaled LUT values of block b in slot b % RAW_SLOTS
 };
 
 template <class Cfg, int BLK>
 __device__ __forceinline__ void lookup_block(WgmmaStep<Cfg>& st, uint32_t s_lut, uint32_t lane_off) {
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++) {
-        lookup_frag_a<Cfg, 2 * BLK>(st.raw[BLK % 2][mt][0], st.r_w[mt], s_lut, lane_off);
-        lookup_frag_a<Cfg, 2 * BLK + 1>(st.raw[BLK % 2][mt][1], st.r_w[mt], s_lut, lane_off);
+        lookup_frag_a<Cfg, 2 * BLK>(st.raw[BLK % Cfg::RAW_SLOTS][mt][0], st.r_w[mt], s_lut, lane_off);
+        lookup_frag_a<Cfg, 2 * BLK + 1>(st.raw[BLK % Cfg::RAW_SLOTS][mt][1], st.r_w[mt], s_lut, lane_off);
     }
 }
 
 template <class Cfg, typename T, int BLK>
-__device__ __forceinline__ void block_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t (&frag)[UNIT_BLOCKS][Cfg::MT][2][4],
+__device__ __forceinline__ void block_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t (&frag)[Cfg::FRAG_SLOTS][Cfg::MT][2][4],
                                             WgmmaStep<Cfg>& st, uint32_t s_tok, uint32_t s_lut, uint32_t lane_off) {
 #ifndef KBIT_PROBE_WGMMA_NO_DEQUANT
-    if constexpr (BLK + 1 < UNIT_BLOCKS) lookup_block<Cfg, BLK + 1>(st, s_lut, lane_off);
+    if constexpr (BLK + Cfg::LOOKAHEAD < UNIT_BLOCKS) lookup_block<Cfg, BLK + Cfg::LOOKAHEAD>(st, s_lut, lane_off);
 #endif
-    wgmma_wait<3>(); // the group that last read frag[BLK] (same block, previous k-step) is done
+    wgmma_wait<Cfg::FRAG_SLOTS - 1>(); // the group that last read frag slot BLK % FRAG_SLOTS is done
+    constexpr int F = BLK % Cfg::FRAG_SLOTS, R = BLK % Cfg::RAW_SLOTS;
 #ifdef KBIT_PROBE_WGMMA_NO_DEQUANT // timing probe only: the weight words as fragments, no LUT reads
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++)
 #pragma unroll
         for (int s = 0; s < 2; s++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) st.raw[BLK % 2][mt][s][j] = st.r_w[mt][(4 * s + j + BLK) % Cfg::Fmt::LANE_WORDS];
+            for (int j = 0; j < 4; j++) st.raw[R][mt][s][j] = st.r_w[mt][(4 * s + j + BLK) % Cfg::Fmt::LANE_WORDS];
 #endif
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++) {
@@ -275,7 +294,7 @@ __device__ __forceinline__ void block_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], u
         for (int s = 0; s < 2; s++)
 #pragma unroll
             for (int j = 0; j < 4; j++) // register j: row g (j even) or g + 8 (j odd)
-                frag[BLK][mt][s][j] = Pack2<T>::mul(st.raw[BLK % 2][mt][s][j], (j & 1) ? sc_g8 : sc_g);
+                frag[F][mt][s][j] = Pack2<T>::mul(st.raw[R][mt][s][j], (j & 1) ? sc_g8 : sc_g);
     }
     wgmma_fence();
 #ifdef KBIT_PROBE_WGMMA_NO_MMA // timing probe only: dequantize, keep the fragments alive, skip the wgmmas
@@ -283,27 +302,28 @@ __device__ __forceinline__ void block_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], u
     for (int mt = 0; mt < Cfg::MT; mt++)
 #pragma unroll
         for (int s = 0; s < 2; s++)
-            asm volatile("" ::"r"(frag[BLK][mt][s][0]), "r"(frag[BLK][mt][s][1]), "r"(frag[BLK][mt][s][2]),
-                         "r"(frag[BLK][mt][s][3]));
+            asm volatile("" ::"r"(frag[F][mt][s][0]), "r"(frag[F][mt][s][1]), "r"(frag[F][mt][s][2]),
+                         "r"(frag[F][mt][s][3]));
     if (false)
 #endif
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++)
 #pragma unroll
         for (int s = 0; s < 2; s++) // k16 step u = 2 BLK + s: bytes 32 u .. 32 u + 31 of the permuted row
-            WgmmaRS<T, Cfg::TOK>::run(reinterpret_cast<float(&)[Cfg::TOK / 2]>(acc[mt]), frag[BLK][mt][s],
+            WgmmaRS<T, Cfg::TOK>::run(reinterpret_cast<float(&)[Cfg::TOK / 2]>(acc[mt]), frag[F][mt][s],
                                       smem_desc_sw128(s_tok + (BLK / 2) * Cfg::A_HALF_BYTES + ((BLK % 2) * 2 + s) * 32));
     wgmma_commit();
 }
 
 template <class Cfg, typename T>
-__device__ __forceinline__ void compute_stage_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t (&frag)[UNIT_BLOCKS][Cfg::MT][2][4],
+__device__ __forceinline__ void compute_stage_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t (&frag)[Cfg::FRAG_SLOTS][Cfg::MT][2][4],
                                                     uint32_t s_w, uint32_t s_tok, uint32_t s_lut, uint32_t lane_off,
                                                     int lane) {
     WgmmaStep<Cfg> st;
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++) read_unit_from_stage<Cfg>(st.r_w[mt], st.r_abs[mt], s_w, mt, lane);
     lookup_block<Cfg, 0>(st, s_lut, lane_off);
+    if constexpr (Cfg::LOOKAHEAD == 2) lookup_block<Cfg, 1>(st, s_lut, lane_off);
     block_wgmma<Cfg, T, 0>(acc, frag, st, s_tok, s_lut, lane_off);
     block_wgmma<Cfg, T, 1>(acc, frag, st, s_tok, s_lut, lane_off);
     block_wgmma<Cfg, T, 2>(acc, frag, st, s_tok, s_lut, lane_off);
@@ -332,7 +352,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wgmma_kernel(const 
 
     float acc[Cfg::MT][Cfg::MB][4];
     zero_acc<Cfg>(acc);
-    uint32_t frag[UNIT_BLOCKS][Cfg::MT][2][4];
+    uint32_t frag[Cfg::FRAG_SLOTS][Cfg::MT][2][4];
 
     StreamCursor<Cfg> cur;
     cur.init(p, n16_base, m_base, k_begin, lane);
