@@ -323,7 +323,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         d.config = config_override;
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
-    if (d.config >= FIRST_WGMMA_CONFIG && (long long)M * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
+    if (d.config >= FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
         d.config = WIDE_CONFIG;
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }

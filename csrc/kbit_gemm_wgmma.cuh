@@ -210,7 +210,7 @@ template <class Cfg> struct TokenCursor {
     __device__ __forceinline__ void init(const KbitGemmParams& p, int m_base, int kstep) {
         const int wd = threadIdx.x % 64, row0 = threadIdx.x / 64;
         const int blk = wd / 16, t = (wd / 4) % 4, w = wd % 4; // chunk (s, h) = w of block blk, word t of it
-        off = (uint32_t)((m_base + row0) * p.lda + kstep * UNIT_K + 2 * wd) * 2u;
+        off = ((uint32_t)(m_base + row0) * (uint32_t)p.lda + (uint32_t)(kstep * UNIT_K + 2 * wd)) * 2u;
         row_step = (uint32_t)(Cfg::TOK_ROW_STEP * p.lda) * 2u;
         rows_ok = 0;
 #pragma unroll
