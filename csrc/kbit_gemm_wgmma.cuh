@@ -66,7 +66,7 @@
 //      both 83.9 (floor of the weight bytes 41); without both and without the token copies 50.4, and the full
 //      kernel without the token copies 74.8. The tokens then went global -> registers -> shared one k-step
 //      ahead (16-byte loads, the transpose in registers), and every k-step waited for them: an L2 round
-//      trip per k-step. A deeper weight ring changed nothing (6 / 8 stages: 127.0 / 128.9).
+//      trip per k-step. A deeper weight ring did not help (6 / 8 stages: 127.0 / 128.9 vs 122.8).
 //    - tokens by 4-byte cp.async W_STAGES - 1 k-steps ahead (this version): M=64 120.8 -> 100.9, M=128
 //      251.8 -> 206.0, M=256 514.8 -> 414.4; 14336 x 4096 M=64 40.2 -> 33.7; 8192 x 8192 41.1 -> 34.3; k = 2
 //      112.4 -> 94.9 (28672 x 8192); k = 3 and 5 now beat the wide mma.sync config by 10-17% (kbit_gemm.cu).
