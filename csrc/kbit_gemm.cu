@@ -128,8 +128,9 @@ static bool config_available(int id) {
 //     1024 x 4096 M=1: 0 6.2 vs 2 7.3;  M=16: 1 7.4 vs 3 9.2.  4096 x 4096 (16 tiles x 32 k-steps) M=16:
 //     1 12.4 vs 3 13.0; but 4096 x 14336 (16 x 112) M=4: 2 18.4 vs 0 20.6
 //   MB = 1 with 128-row CTAs, three per SM (24 warps): 1-6% slower than config 2 on every large shape
-//   k = 5 at M <= 2 (4-copy pair table): 0 27.8 vs 2 28.6 (14336 x 4096), 80.1 vs 86.5 (8192 x 28672);
-//     M = 2, 28672 x 8192: 91.8 vs 97.3
+//   k = 5 at M <= 2 used to take config 0 (smem weight rings: 0 27.8 vs 2 28.6 on 14336 x 4096); with
+//     config 2's weights in registers (kbit_gemm.cuh section 4) 2 wins, H100 M=1: 25.3 vs 28.0 (14336 x
+//     4096), 77.7 vs 89.9 (28672 x 8192), 70.3 vs 79.8 (8192 x 28672); M=2 alike
 //   M > 32 with few wide tiles: 1024 x 4096 M=64: 4 14.2 vs 5 19.7; 4096 x 4096 M=64: 21.4 vs 22.1,
 //     M=128 (32 tiles): 28.8 vs 27.5.  M=128 with split-K in the wide config: 4096 x 14336 65.2 us
 //     (the MB-4 per-warp config without enough tiles: 139.8)
@@ -188,6 +189,7 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 }
 
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
+    (void)k_bits; // every k takes the same configs (measured per k: see above)
     const long long sms = sm_count > 0 ? sm_count : 1;
     const auto tiles = [&](int config) {
         const ConfigInfo c = config_info(config);
@@ -200,7 +202,7 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         config = FIRST_WGMMA_CONFIG; // the wide tile with wgmma (kbit_gemm_wgmma.cuh), every k
     if (config == WIDE_CONFIG && (device_smem_optin() < 226 * 1024 || !enough_work(config)))
         config = WIDE_CONFIG - 1; // 32-token tiles: twice the CTAs, 112 KB
-    if (M <= PER_WARP_MAX_M && (!enough_work(config) || (k_bits == 5 && M <= 2)))
+    if (M <= PER_WARP_MAX_M && !enough_work(config))
         config = M <= PER_WARP_SMALL_M_MAX ? 0 : 1;
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }

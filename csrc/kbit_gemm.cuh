@@ -61,10 +61,15 @@
 //    stages-1 k-steps are in flight while one is dequantized. MB = 1: the A rows of the k-step travel
 //    in the same ring stage (each lane copies the 16-byte pieces it reads; k >= K_dim zero-filled);
 //    MB >= 2: A is loaded into registers one k-step ahead (L1 shared by the WARPS_N warps).
-//    Shared-A configs: the weight rings as above, plus ONE A ring per CTA ([8*MB tokens][128 k], rows
-//    padded to 320 B so the LDS.128 fragment reads are conflict-free), one __syncthreads per k-step
-//    (wait step i, barrier, refill the slot of step i-1, compute step i); 2-4 stages in 112 KB (MB
-//    1-4, two CTAs per SM) or 226 KB (MB 8). Each dequantized fragment feeds MB MMAs.
+//    Shared-A configs: ONE A ring per CTA ([8*MB tokens][128 k], rows padded to 320 B so the LDS.128
+//    fragment reads are conflict-free), one __syncthreads per k-step (wait step i, barrier, refill the
+//    slot of step i-1, compute step i); 2-4 stages in 112 KB (MB 1-4, two CTAs per SM) or 226 KB (MB 8).
+//    Each dequantized fragment feeds MB MMAs. The weights: MB = 4, 8 use the per-warp smem rings above;
+//    MB = 1, 2 (M <= 16) keep them in registers instead (W_REG_STAGES = 3, 2): each lane loads its own
+//    words and scales with ld.global.nc.L1::no_allocate into a ring of that many k-steps, refilling a
+//    slot right after the compute that used it (the loop is unrolled by the depth, so every slot is a
+//    fixed set of registers). That drops the cp.async write, the LDS read back and the ring's wait from
+//    the loop: ~35% of its shared-memory traffic at k = 4, whose bandwidth is what bounds M = 1 (7).
 //
 // 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1)
 //    k-steps of grid split s: [s*ks_per_split, ...); inside: WARPS_K contiguous chunks.
@@ -134,8 +139,15 @@
 //    only partly overlap. Shared memory per warp and k-step: 8 KB of LUT reads, ~2 KB of weight ring
 //    writes + reads each, A fragments: ~1800 of the ~2300 cycles per k-step (both CTAs) at 128 B/clk.
 //    Reading A rows < M only (lanes of rows >= M share the last row, so the LDS.128 broadcasts) took
-//    k = 2 M=1 47.9 -> 44.7 us and k = 4 57.3 -> 54.5. Next: weights straight into registers (no smem
-//    round trip), a register codebook for k = 2 (PRMT from two registers instead of LUT reads).
+//    k = 2 M=1 47.9 -> 44.7 us and k = 4 57.3 -> 54.5.
+//    Weights in registers (section 4), H100, us, smem ring -> registers, each pair from one call:
+//      M = 1 (3 k-steps deep), 28672 x 8192: k = 2 44.4 -> 38.5, k = 3 60.9 -> 55.7, k = 4 56.5 -> 51.6,
+//      k = 5 90.8 -> 77.7; 8192 x 28672: 40.2 -> 35.3, 55.0 -> 51.1, 57.3 -> 50.5, 80.7 -> 70.3;
+//      14336 x 4096: 16.0 -> 14.2, 20.3 -> 19.1, 18.5 -> 17.8, 27.7 -> 25.3. Four k-steps deep: k = 4
+//      28672 x 8192 55.6 (and k = 5 spills). M = 16 (config 3), 28672 x 8192: 2 deep k = 2 53.4 -> 47.1,
+//      k = 4 65.2 -> 58.1, k = 5 98.4 -> 85.0 (3 deep: 47.5, 58.8, 88.8); 14336 x 4096 19.7 -> 17.3,
+//      22.0 -> 20.3, 30.4 -> 27.3. Next: a register codebook for k = 2 (PRMT from two registers instead
+//      of LUT reads).
 //
 // Naming: g_ global, s_ shared, r_ registers; frag_a (weights), frag_b (acts), acc.
 // ============================================================================================
@@ -1035,24 +1047,41 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 // MB = 8 ("wide", TILE_M = 64, 226 KB: one CTA per SM, sm_90) serves M > 32; MB = 1, 2, 4 (TILE_M =
 // 8, 16, 32, 112 KB: two CTAs per SM) serve M <= 32 on all but small weights. Each dequantized
 // fragment feeds MB MMAs. Split-K up to M = 256, through the same workspace slots as configs 0-1.
+// MB = 1 keeps its weights in registers instead of the smem ring (W_REG_STAGES, section 4).
 // ---------------------------------------------------------------------------------------------
+#ifndef KBIT_W_REG_STAGES_MB1 // k-steps of weights in flight in registers at MB = 1 (0: the smem ring)
+#define KBIT_W_REG_STAGES_MB1 3
+#endif
+#ifndef KBIT_W_REG_STAGES_MB2
+#define KBIT_W_REG_STAGES_MB2 2
+#endif
+#ifndef KBIT_W_REG_STAGES_MB4
+#define KBIT_W_REG_STAGES_MB4 0
+#endif
 template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_>
 struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true> {
     using Base = KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true>;
     static constexpr int A_ROW_BYTES = 2 * UNIT_K + 64; // 256 + 64 pad: 8 rows of a phase hit distinct banks
     static constexpr int A_STAGE_WORDS = Base::TILE_M * A_ROW_BYTES / 4;
     static constexpr int W_STAGE_WORDS = Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS; // per warp
+    // W_REG_STAGES > 0: the weights skip shared memory; each lane loads its own words (ld.global.nc) into a
+    // register ring that many k-steps deep (section 4) and the smem ring holds only A
+    static constexpr int W_REG_STAGES = MB_ == 1   ? KBIT_W_REG_STAGES_MB1
+                                        : MB_ == 2 ? KBIT_W_REG_STAGES_MB2
+                                        : MB_ == 4 ? KBIT_W_REG_STAGES_MB4
+                                                   : 0;
+    static constexpr int W_SMEM_STAGE_WORDS = W_REG_STAGES > 0 ? 0 : W_STAGE_WORDS;
     static constexpr int SHARED_A_CTAS_PER_SM = CTAS_PER_SM_;
     static_assert(CTAS_PER_SM_ == 1 || CTAS_PER_SM_ == 2, "one CTA per SM (226 KB, sm_90) or two (112 KB)");
     static constexpr int SHARED_A_BUDGET_BYTES = CTAS_PER_SM_ == 1 ? 226 * 1024 : 112 * 1024;
     static constexpr int SHARED_A_STAGES_FIT =
-        (SHARED_A_BUDGET_BYTES / 4 - Base::LUT_WORDS) / (A_STAGE_WORDS + Base::WARPS * W_STAGE_WORDS);
+        (SHARED_A_BUDGET_BYTES / 4 - Base::LUT_WORDS) / (A_STAGE_WORDS + Base::WARPS * W_SMEM_STAGE_WORDS);
     static constexpr int SHARED_A_STAGES = SHARED_A_STAGES_FIT > 4 ? 4 : SHARED_A_STAGES_FIT;
     // 2 stages still overlap (the barrier of step i frees the slot of step i-1 for step i+1) but keep one
     // k-step in flight; MB = 4 at k >= 4 (and fp16 absmax at MB = 2) only fit 2 in 112 KB
     static_assert(SHARED_A_STAGES >= 2, "the shared ring needs >= 2 stages (one barrier per k-step)");
     static constexpr int SHARED_A_SMEM_BYTES =
-        4 * (Base::LUT_WORDS + SHARED_A_STAGES * (A_STAGE_WORDS + Base::WARPS * W_STAGE_WORDS));
+        4 * (Base::LUT_WORDS + SHARED_A_STAGES * (A_STAGE_WORDS + Base::WARPS * W_SMEM_STAGE_WORDS));
     static constexpr int A_CHUNKS = Base::TILE_M * (UNIT_K / 8); // 16-byte chunks of one A stage
     static constexpr int A_CHUNKS_PER_THREAD = (A_CHUNKS + Base::THREADS - 1) / Base::THREADS;
     static_assert(A_CHUNKS % Base::THREADS == 0 || A_CHUNKS < Base::THREADS, "A tile chunks spread evenly");
@@ -1080,18 +1109,16 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
     }
 }
 
-// dequant + MMA of one k-step: weights from this warp's ring slot, A from the shared slot
+// dequant + MMA of one k-step: this lane's weight words and absmax of its MT units (from the smem ring or
+// the register ring), A from the shared slot s_a.
 // a_off[mb]: this lane's byte offset of its B fragment row (token mb*8 + g, clamped to the tile's last row
 // < M: rows past M are not copied; at M < 8 the lanes then share rows and the LDS.128 broadcasts)
 template <class Cfg, typename T>
-__device__ __forceinline__ void compute_stage_shared_a(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t s_w, uint32_t s_a,
-                                                   const uint32_t (&a_off)[Cfg::MB], uint32_t s_lut, uint32_t lane_off,
-                                                   int lane) {
-    using F = typename Cfg::Fmt;
-    uint32_t r_w[Cfg::MT][F::LANE_WORDS];
-    uint32_t r_abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
-#pragma unroll
-    for (int mt = 0; mt < Cfg::MT; mt++) read_unit_from_stage<Cfg>(r_w[mt], r_abs[mt], s_w, mt, lane);
+__device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg::MB][4],
+                                                       const uint32_t (&r_w)[Cfg::MT][Cfg::Fmt::LANE_WORDS],
+                                                       const uint32_t (&r_abs)[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4],
+                                                       uint32_t s_a, const uint32_t (&a_off)[Cfg::MB], uint32_t s_lut,
+                                                       uint32_t lane_off) {
 #define KBIT_SHARED_A_BLOCK(BLK)                                                                                    \
     {                                                                                                           \
         uint4 r_b[Cfg::MB];                                                                                     \
@@ -1106,33 +1133,47 @@ __device__ __forceinline__ void compute_stage_shared_a(float (&acc)[Cfg::MT][Cfg
 #undef KBIT_SHARED_A_BLOCK
 }
 
-template <class Cfg, typename T>
-__global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_gemm_shared_a_kernel(const KbitGemmParams p) {
-    extern __shared__ __align__(16) uint32_t s_mem[];
-    constexpr int S = Cfg::SHARED_A_STAGES;
-    uint32_t* s_lut_ptr = s_mem;                                  // [LUT_ENTRIES][LUT_COPIES]
-    const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_mem);
-    const uint32_t s_a_ring = s_lut + 4 * Cfg::LUT_WORDS;         // [S][TILE_M][A_ROW_BYTES]
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const uint32_t s_w_ring = s_a_ring + 4 * S * Cfg::A_STAGE_WORDS + 4 * warp * S * Cfg::W_STAGE_WORDS; // this warp
-    const int n16_base = (blockIdx.x * Cfg::WARPS_N + warp) * Cfg::MT;
-    const int m_base = blockIdx.z * Cfg::TILE_M;
-    __shared__ int s_flag;
-    // k-steps of this split (blockIdx.y); the whole CTA walks the same k-steps
-    const int k_begin = blockIdx.y * p.ks_per_split;
-    const int n_steps = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
-    const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
-    uint32_t a_off[Cfg::MB];
-    const int a_last_row = min(p.M - m_base, Cfg::TILE_M) - 1;
+// A lane's weights of one k-step (MT units) in registers: one slot of the W_REG_STAGES-deep register ring
+template <class Cfg> struct StepWeightRegs {
+    uint32_t w[Cfg::MT][Cfg::Fmt::LANE_WORDS];
+    uint32_t abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
+};
+
+// non-coherent global loads that do not allocate in L1 (each weight byte is read once); PTX ISA 9.7.9.8
+__device__ __forceinline__ void ldg_stream_v4(uint32_t* r, const void* g_ptr) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "l"(g_ptr));
+}
+__device__ __forceinline__ void ldg_stream_v2(uint32_t* r, const void* g_ptr) {
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "l"(g_ptr));
+}
+
+// the same words load_stage_async copies into the smem ring, into registers
+template <class Cfg>
+__device__ __forceinline__ void load_units_to_regs(StepWeightRegs<Cfg>& r, const StreamCursor<Cfg>& cur, int lane) {
+    using F = typename Cfg::Fmt;
 #pragma unroll
-    for (int mb = 0; mb < Cfg::MB; mb++)
-        a_off[mb] = min(mb * 8 + lane / 4, a_last_row) * Cfg::A_ROW_BYTES + (lane % 4) * 16;
+    for (int mt = 0; mt < Cfg::MT; mt++) {
+        if (!((cur.valid_mt >> mt) & 1)) continue; // warp-uniform; stale registers only feed unstored rows
+#pragma unroll
+        for (int c = 0; c < F::NV4; c++) ldg_stream_v4(&r.w[mt][4 * c], cur.g_w[mt] + c * 128);
+        if constexpr (F::HAS_V2) ldg_stream_v2(&r.w[mt][4 * F::NV4], cur.g_w[mt] + F::NV4 * 128 - lane * 2);
+        if constexpr (Cfg::ABS_U8) ldg_stream_v2(r.abs[mt], cur.g_abs[mt]);
+        else ldg_stream_v4(r.abs[mt], cur.g_abs[mt]);
+    }
+}
 
-    float acc[Cfg::MT][Cfg::MB][4];
-    zero_acc<Cfg>(acc);
-
-    StreamCursor<Cfg> cur;
-    cur.init(p, n16_base, m_base, k_begin, lane);
+// the k-loop with the weights in the smem ring: step i waits for its stage, one barrier, refills the slot
+// step i-1 used with step i+S-1 (weights + A), then dequantizes + multiplies step i
+template <class Cfg, typename T>
+__device__ __forceinline__ void shared_a_loop_smem_ring(float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
+                                                        StreamCursor<Cfg>& cur, int k_begin, int n_steps, int m_base,
+                                                        uint32_t s_a_ring, uint32_t s_w_ring,
+                                                        const uint32_t (&a_off)[Cfg::MB], uint32_t* s_lut_ptr,
+                                                        uint32_t lane_off, int lane) {
+    constexpr int S = Cfg::SHARED_A_STAGES;
+    const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_lut_ptr);
     for (int st = 0; st < S - 1; st++) { // prologue: S-1 k-steps in flight
         if (st < n_steps) {
             load_stage_async<Cfg>(s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, cur, lane);
@@ -1159,10 +1200,99 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
         cp_async_commit();
         const int st = i % S;
 #ifndef KBIT_PROBE_NO_COMPUTE // timing probe only (section 7): copies without the dequant/MMA
-        compute_stage_shared_a<Cfg, T>(acc, s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, s_a_ring + 4 * st * Cfg::A_STAGE_WORDS,
-                                   a_off, s_lut, lane_off, lane);
+        uint32_t r_w[Cfg::MT][Cfg::Fmt::LANE_WORDS];
+        uint32_t r_abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
+#pragma unroll
+        for (int mt = 0; mt < Cfg::MT; mt++)
+            read_unit_from_stage<Cfg>(r_w[mt], r_abs[mt], s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, mt, lane);
+        compute_units_shared_a<Cfg, T>(acc, r_w, r_abs, s_a_ring + 4 * st * Cfg::A_STAGE_WORDS, a_off, s_lut, lane_off);
 #endif
     }
+}
+
+// the k-loop with the weights in registers (W_REG_STAGES = D): the loads of step i+D are issued right
+// after step i's compute, into the registers it just used, so D k-steps of weights are in flight per
+// lane; A still travels through the smem ring (S-1 steps ahead, one barrier per step). The loop is
+// unrolled by D so every ring slot is a fixed set of registers.
+template <class Cfg, typename T>
+__device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
+                                                          StreamCursor<Cfg>& cur, int k_begin, int n_steps, int m_base,
+                                                          uint32_t s_a_ring, const uint32_t (&a_off)[Cfg::MB],
+                                                          uint32_t* s_lut_ptr, uint32_t lane_off, int lane) {
+    constexpr int S = Cfg::SHARED_A_STAGES;
+    constexpr int D = Cfg::W_REG_STAGES;
+    const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_lut_ptr);
+    StepWeightRegs<Cfg> ring[D] = {}; // zeroed: slots of absent units (rows >= N) are never loaded
+#pragma unroll
+    for (int d = 0; d < D; d++)
+        if (d < n_steps) {
+            load_units_to_regs<Cfg>(ring[d], cur, lane);
+            cur.advance();
+        }
+    for (int st = 0; st < S - 1; st++) {
+        if (st < n_steps) load_a_shared_async<Cfg>(s_a_ring + 4 * st * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st);
+        cp_async_commit();
+    }
+    build_lut<Cfg, T>(s_lut_ptr, p);
+
+    for (int i0 = 0; i0 < n_steps; i0 += D) {
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            const int i = i0 + d;
+            if (i >= n_steps) break;
+            cp_async_wait<S - 2>(); // A of step i landed (this thread's copies) ...
+            __syncthreads();        // ... everyone's, and everyone is done with step i-1's slot (and the LUT)
+            if (i + S - 1 < n_steps)
+                load_a_shared_async<Cfg>(s_a_ring + 4 * ((i + S - 1) % S) * Cfg::A_STAGE_WORDS, p, m_base,
+                                         k_begin + i + S - 1);
+            cp_async_commit();
+#ifndef KBIT_PROBE_NO_COMPUTE
+            compute_units_shared_a<Cfg, T>(acc, ring[d].w, ring[d].abs, s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS,
+                                           a_off, s_lut, lane_off);
+#endif
+#ifndef KBIT_PROBE_NO_LOADS
+            if (i + D < n_steps) {
+                load_units_to_regs<Cfg>(ring[d], cur, lane);
+                cur.advance();
+            }
+#endif
+        }
+    }
+}
+
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_gemm_shared_a_kernel(const KbitGemmParams p) {
+    extern __shared__ __align__(16) uint32_t s_mem[];
+    constexpr int S = Cfg::SHARED_A_STAGES;
+    uint32_t* s_lut_ptr = s_mem;                                                 // [LUT_ENTRIES][LUT_COPIES]
+    const uint32_t s_a_ring = (uint32_t)__cvta_generic_to_shared(s_mem) + 4 * Cfg::LUT_WORDS; // [S][TILE_M][A_ROW_BYTES]
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    // this warp's weight ring [S][W_STAGE_WORDS] (none when the weights travel in registers)
+    const uint32_t s_w_ring = s_a_ring + 4 * S * Cfg::A_STAGE_WORDS + 4 * warp * S * Cfg::W_SMEM_STAGE_WORDS;
+    const int n16_base = (blockIdx.x * Cfg::WARPS_N + warp) * Cfg::MT;
+    const int m_base = blockIdx.z * Cfg::TILE_M;
+    __shared__ int s_flag;
+    // k-steps of this split (blockIdx.y); the whole CTA walks the same k-steps
+    const int k_begin = blockIdx.y * p.ks_per_split;
+    const int n_steps = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
+    const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
+    uint32_t a_off[Cfg::MB];
+    const int a_last_row = min(p.M - m_base, Cfg::TILE_M) - 1;
+#pragma unroll
+    for (int mb = 0; mb < Cfg::MB; mb++)
+        a_off[mb] = min(mb * 8 + lane / 4, a_last_row) * Cfg::A_ROW_BYTES + (lane % 4) * 16;
+
+    float acc[Cfg::MT][Cfg::MB][4];
+    zero_acc<Cfg>(acc);
+
+    StreamCursor<Cfg> cur;
+    cur.init(p, n16_base, m_base, k_begin, lane);
+    if constexpr (Cfg::W_REG_STAGES > 0)
+        shared_a_loop_weight_regs<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, a_off, s_lut_ptr, lane_off,
+                                          lane);
+    else
+        shared_a_loop_smem_ring<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, s_w_ring, a_off, s_lut_ptr,
+                                        lane_off, lane);
     cp_async_wait<0>();
     if (p.k_splits > 1) { // M <= 256 with few n tiles: same deterministic slot reduction as configs 0-2
         __syncthreads();
