@@ -142,6 +142,10 @@ static bool config_available(int id) {
 // >= 6 x SMs: enough work per SM that split-K keeps the 256-row CTAs busy. 4096 x 4096 (512) stays
 // below, 4096 x 4096 M=128 (1024) and 4096 x 14336 M=64 (1792; wide 41.1 vs 44.6) above.
 constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
+// At M <= 16 the per-warp configs 0-1 (64-row CTAs) take over below 3 x SMs of shared-A work: with the
+// weights in registers config 2 beats them on 4096 x 4096 (512), H100 k = 4 M=1 10.4 vs 10.8 us, M=8 10.7
+// vs 12.1, k = 2 M=1 9.0 vs 9.9; 1024 x 4096 (128) stays per-warp (M=1 6.5 vs 7.4)
+constexpr int PER_WARP_MAX_STEPS_PER_SM = 3;
 // With few wide tiles the 32-token config's extra CTAs win at M <= 64, the wgmma config above (its
 // two 64-token passes against four 32-token ones; H100, 1024 x 4096 k = 4, us: M=64 14.5 vs 16.7,
 // M=80 18.6 vs 17.8, M=128 19.2 vs 18.1)
@@ -202,7 +206,7 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         config = FIRST_WGMMA_CONFIG; // the wide tile with wgmma (kbit_gemm_wgmma.cuh), every k
     if (config == WIDE_CONFIG && (device_smem_optin() < 226 * 1024 || !enough_work(config)))
         config = WIDE_CONFIG - 1; // 32-token tiles: twice the CTAs, 112 KB
-    if (M <= PER_WARP_MAX_M && !enough_work(config))
+    if (M <= PER_WARP_MAX_M && tiles(config) * k_steps < PER_WARP_MAX_STEPS_PER_SM * sms)
         config = M <= PER_WARP_SMALL_M_MAX ? 0 : 1;
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }

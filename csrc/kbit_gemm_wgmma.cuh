@@ -73,6 +73,12 @@
 //      ncu (M=64): 0.51 instructions issued per cycle and scheduler, ~1 eligible of 4 warps, 1.2 TB/s.
 //      The token copies first cost ~155 instructions per warp and k-step (64-bit address and bounds per
 //      row); TokenCursor (32-bit offsets, the row bounds as a mask computed once) brought them to ~50.
+//    - 128 x 128 tiles again with the cp.async tokens (TOK = 128, 2 warpgroups, 219 registers; the 4-row
+//      token step needs a second swizzle phase), against this config and the staged path (dequantize +
+//      cuBLAS), k = 4, 28672 x 8192: M=256 378.3 vs 362.0 (staged 474.6), M=1024 1384.5 vs 1341.5 (staged
+//      923.9, cuBLAS 724.3), M=4096 5691.0 vs 5285.5 (cuBLAS 3032.1); 8192 x 28672 M=256 321.6 vs 352.2, but
+//      M=1024 1316.8 vs 1400.4 (staged 944.7). Both run at ~0.55x cuBLAS at every M >= 256: wider token
+//      tiles alone do not make this loop a large-M kernel. Not kept.
 //    - LUT reads two blocks ahead and/or two fragment slots (wgmma_wait<1>) instead of four
 //      (KBIT_WGMMA_LOOKAHEAD / KBIT_WGMMA_FRAG_SLOTS), H100 k = 4 M=64 / M=128: 86.4 / 184.2 here, 89.5 /
 //      189.7 (look-ahead 1, 2 slots), 89.3 / 198.2 (2, 2), 88.2 / 188.8 (2, 4); k = 3 and 14336 x 4096
