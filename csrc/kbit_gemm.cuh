@@ -269,6 +269,7 @@ struct KbitGemmConfig {
     // loop is 32 instructions per k-step shorter, but the HMUL2s run on the FMA pipe, which is not what
     // bounds the loop (section 7): H200 M = 1, us, with / without: k = 3 28672 x 8192 59.4 / 60.6,
     // 8192 x 28672 53.4 / 54.6; k = 4 57.5 / 55.4, 51.3 / 50.1; k = 2 46.8 / 46.0. Kept for k = 3 only.
+    // Again with the weights in registers (H100, us): k = 2 38.2 / 38.1, k = 4 51.4 / 50.7, k = 5 79.4 / 76.9.
     static constexpr bool POST_SCALE = MB == 1 && K_BITS == 3;
     // E4M4 and POST_SCALE: the scale is the code's bits << 19 as an fp32 (= absmax * 2^-116, exact,
     // subnormals included), the LUT holds codebook * 16, so acc = C * 2^-112 until the store
