@@ -146,10 +146,18 @@ constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
 // weights in registers config 2 beats them on 4096 x 4096 (512), H100 k = 4 M=1 10.4 vs 10.8 us, M=8 10.7
 // vs 12.1, k = 2 M=1 9.0 vs 9.9; 1024 x 4096 (128) stays per-warp (M=1 6.5 vs 7.4)
 constexpr int PER_WARP_MAX_STEPS_PER_SM = 3;
-// With few wide tiles the 32-token config's extra CTAs win at M <= 64, the wgmma config above (its
-// two 64-token passes against four 32-token ones; H100, 1024 x 4096 k = 4, us: M=64 14.5 vs 16.7,
-// M=80 18.6 vs 17.8, M=128 19.2 vs 18.1)
-constexpr int WGMMA_SMALL_WORK_MIN_M = 64;
+// With few wide tiles the wgmma config takes M > 32 (below, the 32-token config 4). H100, 4096 x 4096, us,
+// config 6 vs what the former M > 64 rule picked at M=64: k=2 22.7 vs 27.1, k=3 25.5 vs 31.8, k=4 19.0
+// vs 21.7, k=5 28.9 vs 38.1
+constexpr int WGMMA_SMALL_WORK_MIN_M = 32;
+// Small weights (fewer than 32 x SMs units of 16 rows x 128 k, e.g. 1024 x 4096: 2048) stay in L2, so
+// re-reading them per 16 tokens costs little and config 3's 8x more CTAs win up to M=128 (k = 5: 32).
+// H100, 1024 x 4096, us, config 3 vs the size rules: k=2 M=32 9.4 vs 13.5, M=64 11.7 vs 14.4, M=128
+// 13.2 vs 17.9; k=4 M=64 13.1 vs 14.6, M=128 14.4 vs 18.2; k=3 M=128 18.3 vs 18.8; k=5 M=32 12.7 vs
+// 14.7 but M=128 26.8 vs 24.2 (config 6)
+constexpr int SMALL_WEIGHT_MAX_UNITS_PER_SM = 32;
+constexpr int SMALL_WEIGHT_MB2_MAX_M = 128;
+constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 32;
 constexpr int PER_WARP_SMALL_M_MAX = 4;  // configs 0 (A in the ring) up to here, then 1
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
@@ -193,7 +201,6 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 }
 
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
-    (void)k_bits; // every k takes the same configs (measured per k: see above)
     const long long sms = sm_count > 0 ? sm_count : 1;
     const auto tiles = [&](int config) {
         const ConfigInfo c = config_info(config);
@@ -208,6 +215,10 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         config = WIDE_CONFIG - 1; // 32-token tiles: twice the CTAs, 112 KB
     if (M <= PER_WARP_MAX_M && tiles(config) * k_steps < PER_WARP_MAX_STEPS_PER_SM * sms)
         config = M <= PER_WARP_SMALL_M_MAX ? 0 : 1;
+    const long long units = (long long)ceil_div(N, UNIT_ROWS) * k_steps;
+    if (M > PER_WARP_MAX_M && M <= (k_bits == 5 ? SMALL_WEIGHT_MB2_MAX_M_K5 : SMALL_WEIGHT_MB2_MAX_M) &&
+        units < SMALL_WEIGHT_MAX_UNITS_PER_SM * sms)
+        config = FIRST_SHARED_A_CONFIG + 1; // 16-token tiles
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }
 

@@ -21,7 +21,8 @@
 //      per-warp ring (kbit_gemm_kernel): 0 = MB 1, 1 = MB 2; MT = 2, 8 warps = 2 (n) x 4 (k), 64-row
 //        CTAs: small weights at M <= 16, where 4x the CTAs of the shared-A tile keep the GPU busy
 //      shared-A (kbit_gemm_shared_a_kernel): 2..5 = MB 1, 2, 4, 8; MT = 2, 8 warps along n, 256-row CTAs,
-//        the A tile of a k-step staged once per CTA (section 4); MB 8 ("wide") takes the SM alone
+//        the A tile of a k-step staged once per CTA (section 4); MB 8 ("wide") takes the SM alone;
+//        MB 2 also serves M <= 128 (k = 5: 32) for small weights, which stay in L2 across token tiles
 //      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
 //        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper
 //          k:  0         128        256   ...      K_pad
@@ -63,13 +64,20 @@
 //    MB >= 2: A is loaded into registers one k-step ahead (L1 shared by the WARPS_N warps).
 //    Shared-A configs: ONE A ring per CTA ([8*MB tokens][128 k], rows padded to 320 B so the LDS.128
 //    fragment reads are conflict-free), one __syncthreads per k-step (wait step i, barrier, refill the
-//    slot of step i-1, compute step i); 2-4 stages in 112 KB (MB 1-4, two CTAs per SM) or 226 KB (MB 8).
+//    slot of step i-1, compute step i; per 2 k-steps with register weights, below); 2-4 stages in
+//    112 KB (MB 1-4, two CTAs per SM) or 226 KB (MB 8).
 //    Each dequantized fragment feeds MB MMAs. The weights: MB = 4, 8 use the per-warp smem rings above;
 //    MB = 1, 2 (M <= 16) keep them in registers instead (W_REG_STAGES = 3, 2): each lane loads its own
 //    words and scales with ld.global.nc.L1::no_allocate into a ring of that many k-steps, refilling a
 //    slot right after the compute that used it (the loop is unrolled by the depth, so every slot is a
 //    fixed set of registers). That drops the cp.async write, the LDS read back and the ring's wait from
 //    the loop: ~35% of its shared-memory traffic at k = 4, whose bandwidth is what bounds M = 1 (7).
+//    With their weights in registers the CTA barrier is only for A, so these configs refill A two
+//    k-steps at a time (A_STEPS_PER_BARRIER = 2, 4 slots): one barrier per 2 k-steps lets a warp that is
+//    late on one step's weights catch up before the others wait. H100, us, a barrier per step -> per 2
+//    steps: 28672 x 8192 M=16 k=2 47.1 -> 44.6, k=4 57.7 -> 56.6, k=5 84.3 -> 82.5; 8192 x 28672 M=16
+//    k=4 55.2 -> 52.9; M=1 1-2%. 6 slots (2 per barrier) and 8 (4 per barrier) were 0-2% slower than 4.
+//    Without any barrier (a timing-only build, racing on A) M=1/16 k=2 was 6% faster than per step.
 //
 // 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1)
 //    k-steps of grid split s: [s*ks_per_split, ...); inside: WARPS_K contiguous chunks.
@@ -1046,9 +1054,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 // staged ONCE per CTA in a shared cp.async ring (all 8 warps, along n, use the same k-step, so the CTA
 // is synchronized once per k-step) and read with LDS.128 (rows padded to 320 bytes: conflict-free).
 // MB = 8 ("wide", TILE_M = 64, 226 KB: one CTA per SM, sm_90) serves M > 32; MB = 1, 2, 4 (TILE_M =
-// 8, 16, 32, 112 KB: two CTAs per SM) serve M <= 32 on all but small weights. Each dequantized
-// fragment feeds MB MMAs. Split-K up to M = 256, through the same workspace slots as configs 0-1.
-// MB = 1 keeps its weights in registers instead of the smem ring (W_REG_STAGES, section 4).
+// 8, 16, 32, 112 KB: two CTAs per SM) serve M <= 32 on all but small weights (and MB = 2 small
+// weights up to M = 128). Each dequantized fragment feeds MB MMAs. Split-K up to M = 256, through the
+// same workspace slots as configs 0-1. MB = 1, 2 keep their weights in registers instead of the smem
+// ring (W_REG_STAGES, section 4).
 // ---------------------------------------------------------------------------------------------
 #ifndef KBIT_W_REG_STAGES_MB1 // k-steps of weights in flight in registers at MB = 1 (0: the smem ring)
 #define KBIT_W_REG_STAGES_MB1 3
@@ -1058,6 +1067,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 #endif
 #ifndef KBIT_W_REG_STAGES_MB4
 #define KBIT_W_REG_STAGES_MB4 0
+#endif
+#ifndef KBIT_A_STEPS_PER_BARRIER // register-weight configs: k-steps of A per CTA barrier (1: a barrier per k-step)
+#define KBIT_A_STEPS_PER_BARRIER 2
+#endif
+#ifndef KBIT_A_STAGES_REG // register-weight configs: k-steps of A in the shared ring (a multiple of the above, >= 2x)
+#define KBIT_A_STAGES_REG 4
 #endif
 template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_>
 struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true> {
@@ -1077,7 +1092,12 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true
     static constexpr int SHARED_A_BUDGET_BYTES = CTAS_PER_SM_ == 1 ? 226 * 1024 : 112 * 1024;
     static constexpr int SHARED_A_STAGES_FIT =
         (SHARED_A_BUDGET_BYTES / 4 - Base::LUT_WORDS) / (A_STAGE_WORDS + Base::WARPS * W_SMEM_STAGE_WORDS);
-    static constexpr int SHARED_A_STAGES = SHARED_A_STAGES_FIT > 4 ? 4 : SHARED_A_STAGES_FIT;
+    // the register-weight configs refill A P k-steps at a time, one barrier per P steps (section 4)
+    static constexpr int A_STEPS_PER_BARRIER = W_REG_STAGES > 0 ? KBIT_A_STEPS_PER_BARRIER : 1;
+    static constexpr int STAGES_CAP = W_REG_STAGES > 0 ? KBIT_A_STAGES_REG : 4;
+    static constexpr int SHARED_A_STAGES = SHARED_A_STAGES_FIT > STAGES_CAP ? STAGES_CAP : SHARED_A_STAGES_FIT;
+    static_assert(SHARED_A_STAGES % A_STEPS_PER_BARRIER == 0 && SHARED_A_STAGES >= 2 * A_STEPS_PER_BARRIER,
+                  "the A ring holds whole refills, two or more");
     // 2 stages still overlap (the barrier of step i frees the slot of step i-1 for step i+1) but keep one
     // k-step in flight; MB = 4 at k >= 4 (and fp16 absmax at MB = 2) only fit 2 in 112 KB
     static_assert(SHARED_A_STAGES >= 2, "the shared ring needs >= 2 stages (one barrier per k-step)");
@@ -1230,9 +1250,10 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             load_units_to_regs<Cfg>(ring[d], cur, lane);
             cur.advance();
         }
-    for (int st = 0; st < S - 1; st++) {
+    constexpr int P = Cfg::A_STEPS_PER_BARRIER; // A arrives in refills of P k-steps, one commit group each
+    for (int st = 0; st < S - P; st++) {
         if (st < n_steps) load_a_shared_async<Cfg>(s_a_ring + 4 * st * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st);
-        cp_async_commit();
+        if (st % P == P - 1) cp_async_commit();
     }
     build_lut<Cfg, T>(s_lut_ptr, p);
 
@@ -1241,12 +1262,17 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
         for (int d = 0; d < D; d++) {
             const int i = i0 + d;
             if (i >= n_steps) break;
-            cp_async_wait<S - 2>(); // A of step i landed (this thread's copies) ...
-            __syncthreads();        // ... everyone's, and everyone is done with step i-1's slot (and the LUT)
-            if (i + S - 1 < n_steps)
-                load_a_shared_async<Cfg>(s_a_ring + 4 * ((i + S - 1) % S) * Cfg::A_STAGE_WORDS, p, m_base,
-                                         k_begin + i + S - 1);
-            cp_async_commit();
+            if (i % P == 0) {
+                cp_async_wait<S / P - 2>(); // A of steps i .. i+P-1 landed (this thread's copies) ...
+                __syncthreads(); // ... everyone's, and everyone is done with steps i-P .. i-1 (and the LUT)
+#pragma unroll
+                for (int q = 0; q < P; q++) { // steps i+S-P .. i+S-1 into the slots of i-P .. i-1
+                    const int st = i + S - P + q;
+                    if (st < n_steps)
+                        load_a_shared_async<Cfg>(s_a_ring + 4 * (st % S) * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st);
+                }
+                cp_async_commit();
+            }
 #ifndef KBIT_PROBE_NO_COMPUTE
             compute_units_shared_a<Cfg, T>(acc, ring[d].w, ring[d].abs, s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS,
                                            a_off, s_lut, lane_off);
