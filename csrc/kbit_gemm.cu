@@ -151,13 +151,13 @@ constexpr int PER_WARP_MAX_STEPS_PER_SM = 3;
 // vs 21.7, k=5 28.9 vs 38.1
 constexpr int WGMMA_SMALL_WORK_MIN_M = 32;
 // Small weights (fewer than 32 x SMs units of 16 rows x 128 k, e.g. 1024 x 4096: 2048) stay in L2, so
-// re-reading them per 16 tokens costs little and config 3's 8x more CTAs win up to M=128 (k = 5: 32).
+// re-reading them per 16 tokens costs little and config 3's 8x more CTAs win up to M=128 (k = 5: 64).
 // H100, 1024 x 4096, us, config 3 vs the size rules: k=2 M=32 9.4 vs 13.5, M=64 11.7 vs 14.4, M=128
-// 13.2 vs 17.9; k=4 M=64 13.1 vs 14.6, M=128 14.4 vs 18.2; k=3 M=128 18.3 vs 18.8; k=5 M=32 12.7 vs
-// 14.7 but M=128 26.8 vs 24.2 (config 6)
+// 13.2 vs 17.9; k=4 M=64 12.7 vs 14.6 (config 4), M=128 14.4 vs 18.2; k=3 M=128 18.3 vs 18.8; k=5 M=32
+// 12.7 vs 14.7, M=64 14.7 vs 15.9 (config 4) and 18.4 (config 6), but M=128 26.8 vs 24.2 (config 6)
 constexpr int SMALL_WEIGHT_MAX_UNITS_PER_SM = 32;
 constexpr int SMALL_WEIGHT_MB2_MAX_M = 128;
-constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 32;
+constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 64;
 constexpr int PER_WARP_SMALL_M_MAX = 4;  // configs 0 (A in the ring) up to here, then 1
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide

@@ -22,7 +22,7 @@
 //        CTAs: small weights at M <= 16, where 4x the CTAs of the shared-A tile keep the GPU busy
 //      shared-A (kbit_gemm_shared_a_kernel): 2..5 = MB 1, 2, 4, 8; MT = 2, 8 warps along n, 256-row CTAs,
 //        the A tile of a k-step staged once per CTA (section 4); MB 8 ("wide") takes the SM alone;
-//        MB 2 also serves M <= 128 (k = 5: 32) for small weights, which stay in L2 across token tiles
+//        MB 2 also serves M <= 128 (k = 5: 64) for small weights, which stay in L2 across token tiles
 //      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
 //        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper
 //          k:  0         128        256   ...      K_pad
