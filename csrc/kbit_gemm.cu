@@ -164,6 +164,10 @@ constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at
                                                  // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS)
 constexpr int MIN_STEPS_PER_WARP = 1;            // a warp streams at least 1 k-step of 128: with 2, N=1024 K=4096
                                                  // got 4 splits (64 CTAs); with 1, 8 (H200, M=16 k=5: 9.2 -> 7.7 us)
+// The register-weight configs (2, 3; mb <= 2) fill a 2-3 k-step ring before their first MMA: give each
+// CTA at least 4 k-steps. H100, 4096 x 4096 M=1 (16 CTAs: 8 splits instead of 16), us: k=2 9.1 -> 8.2,
+// k=4 10.5 -> 9.4, k=5 12.5 -> 11.6; M=8 alike
+constexpr int MIN_STEPS_PER_REG_WEIGHT_CTA = 4;
 constexpr int MAX_SPLITS = 16;
 constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)
 // The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
@@ -193,7 +197,8 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
     const long long target = (long long)c.ctas_per_sm() * (sm_count > 0 ? sm_count : 1);
     if (ctas >= target || ctas > MAX_SPLIT_CTAS) return 1;
     int splits = (int)(target / ctas); // floor: all CTAs resident in one wave (a second, partial wave costs ~2x)
-    const int max_by_k = k_steps / (c.warps_k * MIN_STEPS_PER_WARP);
+    const bool reg_weights = c.shared_a_ctas > 0 && c.mb <= 2 && c.warps_k == 1;
+    const int max_by_k = k_steps / (reg_weights ? MIN_STEPS_PER_REG_WEIGHT_CTA : c.warps_k * MIN_STEPS_PER_WARP);
     if (splits > max_by_k) splits = max_by_k;
     if (splits > MAX_SPLITS) splits = MAX_SPLITS;
     while (splits > 1 && workspace_bytes_for(c, M, N, splits) > MAX_WORKSPACE_BYTES + COUNTER_REGION_BYTES) splits--;
