@@ -189,6 +189,9 @@ static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_split
     return COUNTER_REGION_BYTES + (size_t)k_splits * ctas * c.tile_m() * c.tile_n() * 4;
 }
 
+// Whole splits per tile leave slots idle where tiles do not divide them (14336 x 4096: 56 tiles x 4 =
+// 224 CTAs for 264 slots). Stream-K for configs 2-3 (equal runs of (tile, k-step) pairs) was built and
+// measured slower on all but 28672 x 8192 (docs/kernel.md, "Idle SM slots, and stream-K").
 static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_count) {
     if (M > SPLIT_K_MAX_M) return 1;
     const int k_steps = ceil_div(K_dim, UNIT_K);
