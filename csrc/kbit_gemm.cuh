@@ -84,9 +84,12 @@
 //    Example K_pad = 4096 (32 k-steps), k_splits = 2, WARPS_K = 4: split 0 = steps 0..15, warp
 //    wk = 0..3 gets steps 4wk..4wk+3 of it. Epilogue: warps wk > 0 write fp32 partials to smem, warp
 //    wk = 0 adds them in wk order; with k_splits = 1 it stores C (+bias). With k_splits > 1 every
-//    split writes its partial tile to workspace slot [tile][split], __threadfence, atomicAdd on the
-//    tile's counter; the last arriving CTA sums the slots in split order 0..k_splits-1 (bitwise
-//    deterministic, independent of arrival order), stores C and resets the counter to 0. The
+//    split writes its partial tile to workspace slot [tile][split]; after a CTA barrier thread 0 adds 1
+//    to the tile's counter with one acq_rel atomic (release of the CTA's slot, acquire of the others'
+//    slots, ordered for every thread by the barriers around it: no per-thread __threadfence, which cost
+//    0.3-0.6 us per call at M = 1 on H100); the last arriving CTA sums the slots in split order
+//    0..k_splits-1 (bitwise deterministic, independent of arrival order), stores C and resets the
+//    counter to 0. The
 //    counters sit at the start of the workspace, which must be zeroed ONCE at allocation; one
 //    workspace must not be used by two GEMMs running concurrently (different streams).
 //    k_splits = floor(CTA slots / CTAs) (one wave), capped by k-steps and the workspace size.
@@ -372,6 +375,18 @@ __device__ __forceinline__ uint2 lds64(uint32_t s_addr) {
     return v;
 }
 
+// atomic add with release (this thread's writes, and those ordered before it by a CTA barrier) and acquire
+// semantics at GPU scope; returns the old value. PTX ISA 9.7.13.5 (atom), 8.10 (release/acquire patterns)
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* addr, int v) {
+    int old;
+#ifdef KBIT_PROBE_SC_FENCE
+    old = atomicAdd(addr, v);
+#else
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(v) : "memory");
+#endif
+    return old;
+}
+
 // 16-byte shared store; PTX ISA 9.7.9.9
 __device__ __forceinline__ void sts128(uint32_t s_addr, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(s_addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
@@ -532,10 +547,21 @@ struct KbitGemmParams {
 // build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES.
 // The codebook sits one entry per lane (read with shfl); each thread writes 16 bytes (4 pair copies, or 2
 // quad copies) per store, and the chunk is rotated by entry so a warp's stores spread over all banks.
-template <class Cfg, typename T> __device__ void build_lut(uint32_t* s_lut, const KbitGemmParams& p) {
-    const float factor = !Cfg::ABS_U8 ? 1.0f : Cfg::POST_SCALE ? 16.0f : Pack2<T>::E4M4_LUT_FACTOR;
+// The lane's codebook entry (0 past the end). The one-token-tile kernels and the wgmma kernel load it before
+// their first weight loads (EARLY_CODEBOOK): issued after them it waited behind the prologue's DRAM reads
+// (ncu, H100, 14336 x 4096 M = 1 k = 4: 21% of the warp-stall samples sat on its first use; H100, us, M = 1
+// 14336 x 4096 k = 2 14.3 -> 13.5, 8192 x 8192 14.7 -> 14.0). Config 3 (M <= 16) keeps the late load:
+// early, ptxas rematerialized a thread index in its loop and 28672 x 8192 M = 16 ran 9-14% slower.
+__device__ __forceinline__ float load_codebook_entry(const KbitGemmParams& p) {
     const int lane = threadIdx.x % 32;
-    const float r_cb = lane < p.codebook_len ? __ldg(p.codebook + lane) * factor : 0.0f;
+    return lane < p.codebook_len ? __ldg(p.codebook + lane) : 0.0f;
+}
+
+// cb_entry: the lane's load_codebook_entry when EARLY_CODEBOOK, else unused (loaded here)
+template <class Cfg, typename T, bool EARLY_CODEBOOK>
+__device__ void build_lut(uint32_t* s_lut, float cb_entry, const KbitGemmParams& p) {
+    const float factor = !Cfg::ABS_U8 ? 1.0f : Cfg::POST_SCALE ? 16.0f : Pack2<T>::E4M4_LUT_FACTOR;
+    const float r_cb = (EARLY_CODEBOOK ? cb_entry : load_codebook_entry(p)) * factor;
     const auto pair_value = [&](int pair_index) { // {cb[i0], cb[i1]} * factor; every lane must call it
         int i0, i1;
         lut_index_to_pair<Cfg::K_BITS>(pair_index, i0, i1);
@@ -912,18 +938,22 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
             for (int mb = 0; mb < Cfg::MB; mb++)
 #pragma unroll
                 for (int r = 0; r < 4; r++) __stcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane, acc[mt][mb][r]);
+#ifdef KBIT_PROBE_SC_FENCE
         __threadfence();
+#endif
     }
-    __syncthreads();
+    __syncthreads(); // the CTA's slot stores happen before thread 0's release below
     if (threadIdx.x == 0) {
-        const int prev = atomicAdd(p.counters + tile_id, 1);
+        const int prev = atomic_add_acq_rel_gpu(p.counters + tile_id, 1); // release our slot, acquire the others'
         const int last = prev == p.k_splits - 1;
-        if (last) p.counters[tile_id] = 0; // self-reset for the next call
+        if (last) p.counters[tile_id] = 0; // self-reset for the next call (kernel boundaries order it)
         *s_flag = last;
     }
-    __syncthreads();
+    __syncthreads(); // thread 0's acquire happens before every thread's slot reads
     if (!*s_flag) return false;
+#ifdef KBIT_PROBE_SC_FENCE
     __threadfence();
+#endif
     if (is_writer) {
         zero_acc<Cfg>(acc);
         for (int sp = 0; sp < p.k_splits; sp++) {
@@ -943,6 +973,7 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
+    const float cb_entry = Cfg::MB == 1 ? load_codebook_entry(p) : 0.0f; // first: overlaps the prologue
     __shared__ int s_flag;
     uint32_t* s_lut_ptr = s_mem;                    // [LUT_ENTRIES][LUT_COPIES] packed pairs
     uint32_t* s_ring_ptr = s_mem + Cfg::LUT_WORDS;  // [WARPS][STAGES][STAGE_WORDS]
@@ -984,8 +1015,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
     }
     uint4 r_a[UNIT_BLOCKS][Cfg::MB]; // A_IN_RING == false: this k-step's fragments
     if (!Cfg::A_IN_RING && n_steps > 0) load_a_registers<Cfg>(r_a, p, m_base, k_begin, lane);
-    build_lut<Cfg, T>(s_lut_ptr, p); // overlaps the prologue's DRAM latency
-    __syncthreads();                 // LUT complete
+    build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p); // overlaps the prologue's DRAM latency
+    __syncthreads();                           // LUT complete
 
     uint32_t s_st_load = s_ring + 4 * (stages - 1) * stage_words; // ring slot of step i + stages - 1
     uint32_t s_st_comp = s_ring;                                   // ring slot of step i
@@ -1192,7 +1223,7 @@ __device__ __forceinline__ void shared_a_loop_smem_ring(float (&acc)[Cfg::MT][Cf
                                                         StreamCursor<Cfg>& cur, int k_begin, int n_steps, int m_base,
                                                         uint32_t s_a_ring, uint32_t s_w_ring,
                                                         const uint32_t (&a_off)[Cfg::MB], uint32_t* s_lut_ptr,
-                                                        uint32_t lane_off, int lane) {
+                                                        float cb_entry, uint32_t lane_off, int lane) {
     constexpr int S = Cfg::SHARED_A_STAGES;
     const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_lut_ptr);
     for (int st = 0; st < S - 1; st++) { // prologue: S-1 k-steps in flight
@@ -1203,7 +1234,7 @@ __device__ __forceinline__ void shared_a_loop_smem_ring(float (&acc)[Cfg::MT][Cf
         }
         cp_async_commit();
     }
-    build_lut<Cfg, T>(s_lut_ptr, p);
+    build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p);
 
     for (int i = 0; i < n_steps; i++) {
         cp_async_wait<S - 2>(); // step i landed (this thread's copies) ...
@@ -1239,7 +1270,8 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
                                                           StreamCursor<Cfg>& cur, int k_begin, int n_steps, int m_base,
                                                           uint32_t s_a_ring, const uint32_t (&a_off)[Cfg::MB],
-                                                          uint32_t* s_lut_ptr, uint32_t lane_off, int lane) {
+                                                          uint32_t* s_lut_ptr, float cb_entry, uint32_t lane_off,
+                                                          int lane) {
     constexpr int S = Cfg::SHARED_A_STAGES;
     constexpr int D = Cfg::W_REG_STAGES;
     const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_lut_ptr);
@@ -1255,7 +1287,7 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
         if (st < n_steps) load_a_shared_async<Cfg>(s_a_ring + 4 * st * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st);
         if (st % P == P - 1) cp_async_commit();
     }
-    build_lut<Cfg, T>(s_lut_ptr, p);
+    build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p);
 
     for (int i0 = 0; i0 < n_steps; i0 += D) {
 #pragma unroll
@@ -1290,6 +1322,7 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_gemm_shared_a_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
+    const float cb_entry = Cfg::MB == 1 ? load_codebook_entry(p) : 0.0f; // first: overlaps the prologue
     constexpr int S = Cfg::SHARED_A_STAGES;
     uint32_t* s_lut_ptr = s_mem;                                                 // [LUT_ENTRIES][LUT_COPIES]
     const uint32_t s_a_ring = (uint32_t)__cvta_generic_to_shared(s_mem) + 4 * Cfg::LUT_WORDS; // [S][TILE_M][A_ROW_BYTES]
@@ -1315,11 +1348,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     StreamCursor<Cfg> cur;
     cur.init(p, n16_base, m_base, k_begin, lane);
     if constexpr (Cfg::W_REG_STAGES > 0)
-        shared_a_loop_weight_regs<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, a_off, s_lut_ptr, lane_off,
-                                          lane);
+        shared_a_loop_weight_regs<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, a_off, s_lut_ptr, cb_entry,
+                                          lane_off, lane);
     else
         shared_a_loop_smem_ring<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, s_w_ring, a_off, s_lut_ptr,
-                                        lane_off, lane);
+                                        cb_entry, lane_off, lane);
     cp_async_wait<0>();
     if (p.k_splits > 1) { // M <= 256 with few n tiles: same deterministic slot reduction as configs 0-2
         __syncthreads();

@@ -339,6 +339,7 @@ __device__ __forceinline__ void compute_stage_wgmma(float (&acc)[Cfg::MT][Cfg::M
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wgmma_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint8_t s_raw[];
+    const float cb_entry = load_codebook_entry(p); // first: its latency overlaps the prologue
     __shared__ int s_flag;
     const uint32_t s_raw_addr = (uint32_t)__cvta_generic_to_shared(s_raw);
     const uint32_t s_tok_ring = (s_raw_addr + 1023u) & ~1023u;               // [A_STAGES][2][TOK][128 B]
@@ -372,7 +373,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wgmma_kernel(const 
         }
         cp_async_commit();
     }
-    build_lut<Cfg, T>(s_lut_ptr, p);
+    build_lut<Cfg, T, true>(s_lut_ptr, cb_entry, p);
 
     for (int i = 0; i < n_steps; i++) {
         cp_async_wait<WS - 2>();    // this thread's weights and tokens of step i landed
