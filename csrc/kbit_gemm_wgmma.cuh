@@ -126,15 +126,23 @@ struct KbitWgmmaConfig : KbitGemmConfig<K_BITS_, TOK_ / 8, MT_, WARPS_, 1, ABS_U
 };
 
 // ---------------------------------------------------------------------------------------------
-// PTX helpers (sm_90a)
+// PTX helpers (sm_90a). The kernel is instantiated for every architecture of the build (one dispatch
+// table) but launched only on compute capability 9.0 from sm_90a code: elsewhere these compile to nothing.
 // ---------------------------------------------------------------------------------------------
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KBIT_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define KBIT_SM90A_ASM(...) ((void)0)
+#endif
 // generic-proxy shared writes made visible to the async proxy (wgmma operands); PTX ISA 9.7.12.4
-__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    KBIT_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 // PTX ISA 9.7.15.6-8
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { KBIT_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { KBIT_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+    KBIT_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128B-swizzled region (1024-aligned)
 __device__ __forceinline__ uint32_t swizzle128(int row, int chunk) {
