@@ -157,8 +157,13 @@
 //      14336 x 4096: 16.0 -> 14.2, 20.3 -> 19.1, 18.5 -> 17.8, 27.7 -> 25.3. Four k-steps deep: k = 4
 //      28672 x 8192 55.6 (and k = 5 spills). M = 16 (config 3), 28672 x 8192: 2 deep k = 2 53.4 -> 47.1,
 //      k = 4 65.2 -> 58.1, k = 5 98.4 -> 85.0 (3 deep: 47.5, 58.8, 88.8); 14336 x 4096 19.7 -> 17.3,
-//      22.0 -> 20.3, 30.4 -> 27.3. Next: a register codebook for k = 2 (PRMT from two registers instead
-//      of LUT reads).
+//      22.0 -> 20.3, 30.4 -> 27.3. A register codebook for k = 2 (PRMT from two registers instead of LUT
+//      reads) was then costed and is slower (docs/kernel.md).
+//    Prologue and epilogue (ncu per-instruction stall sampling, dev/ncu_stalls.py; docs/kernel.md "Where
+//    the time goes"): the codebook load goes first (build_lut), config 2 copies A before its weights
+//    (shared_a_loop_weight_regs), and split-K arrives with one acq_rel atomic per CTA (section 5): H100
+//    M = 1 14336 x 4096 k = 2 14.4 -> 12.5 us, 8192 x 8192 k = 5 26.8 -> 24.4. Not kept: three CTAs per
+//    SM for config 2 (slower everywhere), split-K through thread-block clusters (slower but for config 6).
 //
 // Naming: g_ global, s_ shared, r_ registers; frag_a (weights), frag_b (acts), acc.
 // ============================================================================================
