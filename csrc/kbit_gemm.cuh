@@ -384,11 +384,7 @@ __device__ __forceinline__ uint2 lds64(uint32_t s_addr) {
 // semantics at GPU scope; returns the old value. PTX ISA 9.7.13.5 (atom), 8.10 (release/acquire patterns)
 __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* addr, int v) {
     int old;
-#ifdef KBIT_PROBE_SC_FENCE
-    old = atomicAdd(addr, v);
-#else
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(v) : "memory");
-#endif
     return old;
 }
 
@@ -943,9 +939,6 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
             for (int mb = 0; mb < Cfg::MB; mb++)
 #pragma unroll
                 for (int r = 0; r < 4; r++) __stcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane, acc[mt][mb][r]);
-#ifdef KBIT_PROBE_SC_FENCE
-        __threadfence();
-#endif
     }
     __syncthreads(); // the CTA's slot stores happen before thread 0's release below
     if (threadIdx.x == 0) {
@@ -956,12 +949,9 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
     }
     __syncthreads(); // thread 0's acquire happens before every thread's slot reads
     if (!*s_flag) return false;
-#ifdef KBIT_PROBE_SC_FENCE
-    __threadfence();
-#endif
     if (is_writer) {
         zero_acc<Cfg>(acc);
-        for (int sp = 0; sp < p.k_splits; sp++) {
+        for (int sp = 0; sp < p.k_splits; sp++) { // ptxas unrolls by 4 and issues the 4 slots' loads together
             const float* g_slot = p.partials + slot_base + (long long)sp * Cfg::TILE_FLOATS + wn * F * 32;
 #pragma unroll
             for (int mt = 0; mt < Cfg::MT; mt++)
