@@ -80,6 +80,7 @@ def main():
     ap.add_argument("--ms", nargs="+", type=int, default=[1024])
     ap.add_argument("--ks", nargs="+", type=int, default=[4])
     ap.add_argument("--chunks-mib", nargs="+", type=int, default=[8, 16, 32, 64])
+    ap.add_argument("--axes", nargs="+", default=["auto"], help="cut W along n, k or auto (the rule)")
     args = ap.parse_args()
     dtype = torch.float16
     print(f"{torch.cuda.get_device_name()}  lib={os.environ.get('BNB_KBIT_LIBRARY', 'installed')}")
@@ -106,8 +107,11 @@ def main():
                     iters=20,
                 )
                 cells = [f"fp16 {t16:7.1f}"]
-                for mib in args.chunks_mib:
-                    cells.append("| " + time_staged(As, copies, cb, k, N, K, out, ref, rot, mib))
+                for axis in args.axes:
+                    ops.STAGING_AXIS = None if axis == "auto" else axis
+                    for mib in args.chunks_mib:
+                        cells.append("| " + time_staged(As, copies, cb, k, N, K, out, ref, rot, mib))
+                ops.STAGING_AXIS = None
                 ops.STAGING_BYTES = saved
                 ops._scratch.clear()
                 print(f"{shape:>11} k={k} M={M:<5} " + " ".join(cells), flush=True)

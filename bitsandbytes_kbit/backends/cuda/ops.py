@@ -223,6 +223,7 @@ def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.
 STAGED_MIN_M = 257
 STAGING_BYTES = 64 << 20
 STAGING_ALIGN = 128  # chunk edges on whole cuBLAS tiles (and whole units: 16 rows, 128 k)
+STAGING_AXIS = None  # "n" or "k" forces the cut (dev/probe_staged.py); None: the rule in staging_chunks
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
@@ -244,7 +245,8 @@ def staging_chunks(N: int, K_dim: int, elem_bytes: int = 2) -> tuple[str, list[t
     the tile count of the whole product. (Rows of a deep weight gave cuBLAS half-width products:
     H200, N=4096 K=14336 M=1024, 0.66-0.72x of one fp16 call.)"""
     n_chunks = -(-N * K_dim * elem_bytes // STAGING_BYTES)
-    axis, length = ("n", N) if N >= K_dim else ("k", K_dim)
+    axis = STAGING_AXIS or ("n" if N >= K_dim else "k")
+    length = N if axis == "n" else K_dim
     step = -(-length // n_chunks)
     step = max(STAGING_ALIGN, -(-step // STAGING_ALIGN) * STAGING_ALIGN)
     return axis, [(i, min(length, i + step)) for i in range(0, length, step)]
