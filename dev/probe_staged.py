@@ -34,7 +34,7 @@ def time_staged(As, copies, cb, k, N, K, out, ref, rot, mib) -> str:
     """The staged path with STAGING_BYTES = mib MiB: total, dequantize alone, cuBLAS alone (us)."""
     ops.STAGING_BYTES = mib << 20
     ops._scratch.clear()
-    axis, chunks = ops.staging_chunks(N, K)
+    axis, chunks = ops.staging_chunks(N, K, 2, As[0].shape[0])
     na = len(As)
 
     def staged(i):
@@ -81,6 +81,7 @@ def main():
     ap.add_argument("--ks", nargs="+", type=int, default=[4])
     ap.add_argument("--chunks-mib", nargs="+", type=int, default=[8, 16, 32, 64])
     ap.add_argument("--axes", nargs="+", default=["auto"], help="cut W along n, k or auto (the rule)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the axes x chunk sizes, interleaved")
     args = ap.parse_args()
     dtype = torch.float16
     print(f"{torch.cuda.get_device_name()}  lib={os.environ.get('BNB_KBIT_LIBRARY', 'installed')}")
@@ -107,10 +108,11 @@ def main():
                     iters=20,
                 )
                 cells = [f"fp16 {t16:7.1f}"]
-                for axis in args.axes:
-                    ops.STAGING_AXIS = None if axis == "auto" else axis
-                    for mib in args.chunks_mib:
-                        cells.append("| " + time_staged(As, copies, cb, k, N, K, out, ref, rot, mib))
+                for _ in range(args.rounds):
+                    for axis in args.axes:
+                        ops.STAGING_AXIS = None if axis == "auto" else axis
+                        for mib in args.chunks_mib:
+                            cells.append("| " + time_staged(As, copies, cb, k, N, K, out, ref, rot, mib))
                 ops.STAGING_AXIS = None
                 ops.STAGING_BYTES = saved
                 ops._scratch.clear()

@@ -198,14 +198,16 @@ def test_cuda_gemm_both_paths(path, k):
 def test_cuda_staged_chunks(N, K_dim, budget_elems, dtype, monkeypatch):
     """The staged path cut into several chunks: along N for a wide weight (the last chunk not a
     multiple of 16 rows), along K for a deep one (accumulated in C; the last chunk not a multiple
-    of 128), with bias, at a small and a large M."""
+    of 128) below STAGED_ROWS_MIN_M tokens and along N from there, with bias, at small and large M."""
     from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
 
     monkeypatch.setattr(cuda_ops, "STAGING_BYTES", 2 * budget_elems)
     axis, chunks = cuda_ops.staging_chunks(N, K_dim)
     assert axis == ("n" if N >= K_dim else "k") and len(chunks) == 4
     assert chunks[-1][1] == (N if axis == "n" else K_dim) and all(b % 128 == 0 for b, _ in chunks)
-    for M in (5, 300):
+    axis_big_m, rows = cuda_ops.staging_chunks(N, K_dim, 2, cuda_ops.STAGED_ROWS_MIN_M)
+    assert axis_big_m == "n" and rows[-1][1] == N and len(rows) >= 4
+    for M in (5, 300, cuda_ops.STAGED_ROWS_MIN_M):
         run_case(M, N, K_dim, 4, dtype, bias=True, path="staged")
 
 
