@@ -89,9 +89,8 @@
 //    slots, ordered for every thread by the barriers around it: no per-thread __threadfence, which cost
 //    0.3-0.6 us per call at M = 1 on H100); the last arriving CTA sums the slots in split order
 //    0..k_splits-1 (bitwise deterministic, independent of arrival order), stores C and resets the
-//    counter to 0. The
-//    counters sit at the start of the workspace, which must be zeroed ONCE at allocation; one
-//    workspace must not be used by two GEMMs running concurrently (different streams).
+//    counter to 0. The counters sit at the start of the workspace, which must be zeroed ONCE at
+//    allocation; one workspace must not be used by two GEMMs running concurrently (different streams).
 //    k_splits = floor(CTA slots / CTAs) (one wave), capped by k-steps and the workspace size.
 //
 // 6. Invariants: K_dim % 32 == 0, M, N >= 1, lda >= K_dim (launcher); tiled N padded to 16 and K to
@@ -1011,7 +1010,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
     uint4 r_a[UNIT_BLOCKS][Cfg::MB]; // A_IN_RING == false: this k-step's fragments
     if (!Cfg::A_IN_RING && n_steps > 0) load_a_registers<Cfg>(r_a, p, m_base, k_begin, lane);
     build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p); // overlaps the prologue's DRAM latency
-    __syncthreads();                           // LUT complete
+    __syncthreads();                                         // LUT complete
 
     uint32_t s_st_load = s_ring + 4 * (stages - 1) * stage_words; // ring slot of step i + stages - 1
     uint32_t s_st_comp = s_ring;                                   // ring slot of step i
