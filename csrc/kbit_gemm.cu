@@ -2,6 +2,7 @@
 // k-bit GEMM. The design (tiles, layout, pipeline, split-K) is in the block atop kbit_gemm.cuh.
 #include "kbit_gemm.cuh"
 #include "kbit_gemm_wgmma.cuh"
+#include "kbit_gemm_wgmma_ws.cuh"
 
 #include <cstdio>
 #include <cstring>
@@ -45,7 +46,10 @@ static bool check_launch(const char* what) {
 //   id  TOK MT WARPS   reason
 #define KBIT_WGMMA_TABLE(X)                                                                                          \
     X(6, 64, 1, 16) /* M > 32 on sm_90a: 256 rows x 64 tokens, 4 warpgroups; replaces the wide config */
-constexpr int NUM_CONFIGS = 7;
+// warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
+// tokens, a producer warp (bulk copies + TMA) and 2 consumer warpgroups, tokens through a permuted copy
+constexpr int WS_CONFIG = 7;
+constexpr int NUM_CONFIGS = 8;
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
 constexpr int WIDE_CONFIG = 5;            // MB = 8
 constexpr int FIRST_WGMMA_CONFIG = 6;
@@ -76,6 +80,7 @@ static ConfigInfo config_info(int id) {
     case ID: return ConfigInfo{TOK / 8, MT, WARPS, 1, 1};
         KBIT_WGMMA_TABLE(KBIT_WGMMA_INFO)
 #undef KBIT_WGMMA_INFO
+    case WS_CONFIG: return ConfigInfo{32, 1, 8, 1, 1};
     }
     return ConfigInfo{1, 1, 1, 1, 0};
 }
@@ -182,6 +187,14 @@ struct Dispatch {
     int k_splits;
 };
 
+// config 7: rows of A per permuted-token chunk (whole 256-token tiles, at most WS_TOKEN_BYTES of A')
+static int ws_token_rows(int M, int K_dim) {
+    const long long fit = (long long)(WS_TOKEN_BYTES / ((size_t)K_dim * 2)) / 256 * 256;
+    const long long rows = (long long)ceil_div(M, 256) * 256;
+    return (int)(rows < (fit < 256 ? 256 : fit) ? rows : (fit < 256 ? 256 : fit));
+}
+static size_t ws_token_bytes(int M, int K_dim) { return (size_t)ws_token_rows(M, K_dim) * K_dim * 2; }
+
 static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_splits) {
     if (k_splits <= 1) return 0;
     const long long n_ctas = ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n);
@@ -193,7 +206,7 @@ static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_split
 // 224 CTAs for 264 slots). Stream-K for configs 2-3 (equal runs of (tile, k-step) pairs) was built and
 // measured slower on all but 28672 x 8192 (docs/kernel.md, "Idle SM slots, and stream-K").
 static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_count) {
-    if (M > SPLIT_K_MAX_M) return 1;
+    if (M > SPLIT_K_MAX_M || c.mb > 8) return 1; // mb 32: config 7, no split-K
     const int k_steps = ceil_div(K_dim, UNIT_K);
     const long long n_ctas = ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n);
     const long long ctas = n_ctas * ceil_div(M, c.tile_m());
@@ -208,8 +221,29 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
     return splits < 1 ? 1 : splits;
 }
 
+// Config 7 (warp-specialised, 128 rows x 256 tokens) from WS_MIN_M tokens up to WS_MAX_M, when its tiles fill at
+// least 3/4 of the SMs (it has no split-K). H200, k = 4, us, config 7 vs what ran before (config 6 up to 256
+// tokens, the staged path above), cuBLAS fp16 in brackets (dev/probe_paths.py --configs 6 7 --staged):
+//   14336 x 4096  M=256 53.9 vs 94.8 (50.0), M=1024 219.9 vs 237.1 (188.6), M=2048 406.6 vs 411.4 (369.0)
+//   28672 x 8192  M=256 214.6 vs 358.6 (211.2), M=1024 768.0 vs 921.3 (734.6), M=2048 1547.9 vs 1649.1
+//   8192 x 28672  M=512 343.9 vs 536.9 (349.2), M=1024 716.6 vs 897.9 (708.8)
+//   below 3/4 of the SMs: 4096 x 14336 M=256 (32 tiles) 155.0 vs 83.3; 8192 x 28672 M=256 (64) 300.8 vs 310.0
+//   M=128: 59.2 vs 47.5 (14336 x 4096): a 64-token tile wastes less; M=4096: the staged path is 3-8% faster
+//   (14336 x 4096 812.0 vs 758.8, 8192 x 28672 3207.1 vs 2970.6), the fp16 copy amortized over more tokens
+constexpr int WS_MIN_M = 129;
+constexpr int WS_MAX_M = 2048;
+static bool ws_config_fits(int M, int N, int sm_count) {
+    if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
+    const long long tiles = (long long)ceil_div(N, 128) * ceil_div(M, 256);
+    return 4 * tiles >= 3LL * (sm_count > 0 ? sm_count : 1);
+}
+// The staged path (dequantize + cuBLAS, backends/cuda/ops.py) above 256 tokens, unless config 7 takes the call
+constexpr int FUSED_MAX_M = 256;
+static bool staged_preferred(int M, int N, int sm_count) { return M > FUSED_MAX_M && !ws_config_fits(M, N, sm_count); }
+
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1;
+    if (ws_config_fits(M, N, sm_count)) return Dispatch{WS_CONFIG, 1};
     const auto tiles = [&](int config) {
         const ConfigInfo c = config_info(config);
         return (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m());
@@ -323,6 +357,44 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
     check_launch("ckbit_gemm wgmma");
 }
 
+// config 7 per chunk of M (ws_token_rows): permute the chunk's tokens into the workspace (after the counter
+// region, which stays zero), encode its tensor map, launch one CTA per (128-row, 256-token) tile, m tile fastest
+template <class Cfg, typename T>
+static void launch_wgmma_ws(KbitGemmParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    if (!wgmma_available()) {
+        set_error("ckbit_gemm", "the wgmma configs need a compute capability 9.0 GPU and a library built for sm_90a");
+        return;
+    }
+    static bool s_attr_set[64] = {};
+    if (!prepare_launch(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, 1, "wgmma-ws")) return;
+    const int rows_chunk = ws_token_rows(p.M, p.K_dim);
+    if (workspace == nullptr || workspace_bytes < COUNTER_REGION_BYTES + ws_token_bytes(p.M, p.K_dim)) {
+        set_error("ckbit_gemm", "config 7 needs a workspace of ckbit_gemm_workspace_bytes for its permuted tokens");
+        return;
+    }
+    uint32_t* A_perm = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES);
+    const int vec_ok = p.a_vec_ok;
+    for (int m0 = 0; m0 < p.M; m0 += rows_chunk) {
+        const int rows = p.M - m0 < rows_chunk ? p.M - m0 : rows_chunk;
+        const long long threads = (long long)rows * (p.K_dim / BLOCK_ELEMS);
+        kbit_permute_tokens_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, stream>>>(
+            reinterpret_cast<const uint16_t*>(p.A) + (long long)m0 * p.lda, A_perm, rows, p.K_dim, p.lda, vec_ok);
+        if (!check_launch("ckbit_gemm permute tokens")) return;
+        CUtensorMap map;
+        if (!make_token_map(&map, A_perm, rows, p.K_dim, Cfg::TOK)) {
+            set_error("ckbit_gemm", "cuTensorMapEncodeTiled failed for the permuted tokens");
+            return;
+        }
+        KbitGemmParams q = p;
+        q.M = rows;
+        q.A = A_perm;
+        q.C = reinterpret_cast<char*>(p.C) + (long long)m0 * p.N * (long long)sizeof(T);
+        const int grid = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS) * ceil_div(rows, Cfg::TOK);
+        kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(q, map);
+        if (!check_launch("ckbit_gemm wgmma-ws")) return;
+    }
+}
+
 template <int K_BITS, typename T, bool ABS_U8>
 static void gemm(const void* A, const int* B_packed, const void* B_absmax, const float* codebook, int codebook_len,
                  const void* bias, void* C, int M, int N, int K_dim, int lda, void* workspace, size_t workspace_bytes,
@@ -348,8 +420,12 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         d.config = config_override;
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
-    if (d.config >= FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
+    if (d.config >= FIRST_WGMMA_CONFIG && d.config != WS_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
         d.config = WIDE_CONFIG;
+        d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+    }
+    if (d.config == WS_CONFIG && (workspace == nullptr || workspace_bytes < COUNTER_REGION_BYTES + ws_token_bytes(M, K_dim))) {
+        d.config = FIRST_WGMMA_CONFIG; // no room for the permuted tokens (a workspace grown before, under graph capture)
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     const ConfigInfo ci = config_info(d.config);
@@ -372,6 +448,10 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     } else {
         p.counters = nullptr;
         p.partials = nullptr;
+    }
+    if (d.config == WS_CONFIG) {
+        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8>, T>(p, workspace, workspace_bytes, stream);
+        return;
     }
     switch (d.config) {
 #define KBIT_LAUNCH(ID, MB, MT, WN, WK)                                                                              \
@@ -396,6 +476,9 @@ static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count)
         const size_t b = workspace_bytes_for(config_info(c), M, N, choose_splits(config_info(c), M, N, K_dim, sm_count));
         if (b > worst) worst = b;
     }
+    // config 7's permuted tokens (wherever it can run)
+    if (wgmma_available() && COUNTER_REGION_BYTES + ws_token_bytes(M, K_dim) > worst)
+        worst = COUNTER_REGION_BYTES + ws_token_bytes(M, K_dim);
     (void)k_bits;
     return worst;
 }
@@ -445,6 +528,13 @@ size_t ckbit_gemm_workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_co
 }
 
 int ckbit_gemm_num_configs(void) { return kbit::NUM_CONFIGS; }
+
+// 1 when the dispatcher wants the staged path (dequantize + cuBLAS) for this call on the current device
+int ckbit_gemm_staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {
+    (void)K_dim;
+    (void)k_bits;
+    return kbit::staged_preferred(M, N, sm_count) ? 1 : 0;
+}
 
 int ckbit_gemm_config_available(int config) { return kbit::config_available(config) ? 1 : 0; }
 

@@ -306,6 +306,36 @@ def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
 
 
 @pytest.mark.cuda
+def test_cuda_gemm_warp_specialised_chunks_and_graph():
+    """Config 7 (Hopper, sm_90a build): M cut into several permuted-token chunks (K = 14336 fits 2304 tokens
+    per chunk), and the dispatcher's large-M choice for a wide weight (config 7: permute, tensor map, kernel)
+    captured in a CUDA graph with out= and replayed on new data."""
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available
+
+    if not gemm_config_available(7):
+        pytest.skip("config 7 needs a compute capability 9.0 GPU and an sm_90a build")
+    run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
+    run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
+    N, K_dim, k, M = 14336, 1024, 4, 512
+    packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    g = seeded("ws-graph")
+    static_A = torch.randn(M, K_dim, generator=g).to("cuda", torch.float16)
+    out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
+    F.kbit_gemm(static_A, Bp, Ba, cb, k, N, K_dim, out=out)  # warm-up: the workspace grows outside capture
+    assert rel_err(out, reference(static_A, packed, absmax, cb, k, N, K_dim)) <= TOL[torch.float16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        F.kbit_gemm(static_A, Bp, Ba, cb, k, N, K_dim, out=out)
+    A2 = torch.randn(M, K_dim, generator=g).to("cuda", torch.float16)
+    static_A.copy_(A2)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference(A2, packed, absmax, cb, k, N, K_dim)) <= TOL[torch.float16]
+
+
+@pytest.mark.cuda
 def test_cuda_gemm_opcheck_compile_and_errors():
     N, K_dim, k = 1000, 576, 5
     packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")

@@ -56,6 +56,7 @@ def entry_point_names() -> list[str]:
         "ckbit_gemm_workspace_bytes",
         "ckbit_gemm_num_configs",
         "ckbit_gemm_config_available",
+        "ckbit_gemm_staged_preferred",
         "ckbit_error_string",
         "ckbit_last_error",
     ]
@@ -162,7 +163,7 @@ def _sm_count(device_index: int) -> int:
 # tile counters reset themselves). It grows only outside CUDA-graph capture; a call that needs
 # more than it has while capturing gets fewer k-splits (the dispatcher falls back), never an
 # allocation.
-_MIN_WORKSPACE_BYTES = 8 << 20  # grows to what a call needs (at most ~32 MiB, csrc/kbit_gemm.cu)
+_MIN_WORKSPACE_BYTES = 8 << 20  # grows to what a call needs (at most ~64 MiB: config 7 tokens, csrc/kbit_gemm.cu)
 _workspaces: dict[int, torch.Tensor] = {}
 
 
@@ -214,12 +215,13 @@ def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.
     return out
 
 
-# The large-M path: above STAGED_MIN_M tokens the product is bound by the tensor cores, and
-# dequantizing the weight in chunks to a cached scratch and letting cuBLAS multiply beats the
-# fused kernels (H200: dev/sm90/staged.py, in git history up to commit 8797cd7, and
-# benchmarking/bench_kbit_gemm.py). M <= 256 never takes it, so no fp16 copy of W is made there. The scratch holds at most STAGING_BYTES (one
-# chunk), per device and dtype, and is never allocated under CUDA-graph capture (the fused kernel
-# runs instead).
+# The large-M path: above STAGED_MIN_M - 1 tokens the product is bound by the tensor cores. Where the
+# native dispatcher says so (ckbit_gemm_staged_preferred: everywhere but Hopper, where the warp-specialised
+# fused config 7 takes M = 257..2048 when its tiles fill the GPU, csrc/kbit_gemm.cu), the weight is
+# dequantized in chunks to a cached scratch and cuBLAS multiplies (H200: dev/sm90/staged.py, in git history up
+# to commit 8797cd7, and benchmarking/bench_kbit_gemm.py). M <= 256 never takes it, so no fp16 copy of W is
+# made there. The scratch holds at most STAGING_BYTES (one chunk), per device and dtype, and is never
+# allocated under CUDA-graph capture (the fused kernel runs instead).
 STAGED_MIN_M = 257
 STAGING_BYTES = 64 << 20
 STAGING_ALIGN = 128  # chunk edges on whole cuBLAS tiles (and whole units: 16 rows, 128 k)
@@ -286,6 +288,15 @@ def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> boo
     return True
 
 
+def _staged_preferred(lib, device, M, N, K_dim, k, sms) -> bool:
+    """The native dispatcher's choice between the staged path and the fused kernel above STAGED_MIN_M - 1
+    tokens: on Hopper the warp-specialised config 7 takes M up to 2048 when its tiles fill the GPU."""
+    lib.ckbit_gemm_staged_preferred.restype = ct.c_int
+    lib.ckbit_gemm_staged_preferred.argtypes = [ct.c_int] * 5
+    with torch.cuda.device(device):
+        return bool(lib.ckbit_gemm_staged_preferred(M, N, K_dim, k, sms))
+
+
 def kbit_gemm_cuda(
     A, B_packed, B_absmax, codebook, k, N, K_dim, bias, out, config: int = -1, sm_count: int = 0, path: str = "auto"
 ) -> None:
@@ -300,15 +311,15 @@ def kbit_gemm_cuda(
     M = A2.shape[0]
     if M == 0:
         return
-    if path == "staged" or (path == "auto" and config < 0 and M >= STAGED_MIN_M):
+    device = A.device
+    sms = sm_count or _sm_count(device.index)
+    lib = get_lib()
+    if path == "staged" or (path == "auto" and config < 0 and M >= STAGED_MIN_M and _staged_preferred(lib, device, M, N, K_dim, k, sms)):
         if _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
             return
     fn = _entry(
         "ckbit_gemm_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[A.dtype], absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype], k=k
     )
-    device = A.device
-    sms = sm_count or _sm_count(device.index)
-    lib = get_lib()
     lib.ckbit_gemm_workspace_bytes.restype = ct.c_size_t
     lib.ckbit_gemm_workspace_bytes.argtypes = [ct.c_int] * 5
     ws = _workspace(device, lib.ckbit_gemm_workspace_bytes(M, N, K_dim, k, sms))

@@ -1,0 +1,416 @@
+// kbit_gemm_wgmma_ws.cuh: the warp-specialised Hopper (sm_90a) kernel of the fused k-bit GEMM for
+// large M (config 7; device code and its host-side tensor map; included by kbit_gemm.cu after
+// kbit_gemm_wgmma.cuh, whose wgmma helpers, and kbit_gemm.cuh, whose layout and LUT dequant it reuses).
+//
+// ============================================================================================
+// DESIGN
+// ============================================================================================
+// 1. Why another kernel. Config 6 (and its 128- and 256-token variants, kbit_gemm_wgmma.cuh section 7)
+//    runs at ~0.55x cuBLAS for M >= 256: every warp copies its own weights and 4-byte token words with
+//    cp.async, waits for them and meets the others at a CTA barrier per k-step, so the tensor pipe waits
+//    on the latency of the copy bookkeeping and the barrier. Here the copies leave the compute warps:
+//      - one PRODUCER warp issues, per k-step, 8 bulk copies of the CTA's weight units (16 rows x 128 k
+//        each, contiguous in the tiled layout) + 8 of their absmax, and 2 TMA tile loads of the tokens
+//        (256 rows x 64 k, 128-byte swizzle: exactly the K-major layout wgmma reads), each completing on
+//        an mbarrier ("full"); it refills a slot when the consumers have released it ("empty").
+//      - 8 CONSUMER warps (2 warpgroups) only wait on "full", dequantize (the pair/quad LUT of
+//        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
+//        in the main loop.
+//    The TMA cannot permute 4-byte words, and the tiled weight permutes k inside each 32-block
+//    (kbit_gemm.cuh section 3), so the tokens are first copied once into a permuted buffer A' (the
+//    workspace, at most WS_TOKEN_BYTES: M is cut into chunks of whole 256-token tiles) by
+//    kbit_permute_tokens_kernel: new word 4w + t of a block = old word 4t + w (a 4 x 4 transpose of
+//    32-bit words). That costs one read and one write of A (M = 1024, K = 4096: 16 MB, ~2% of the GEMM).
+//
+// 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens.
+//          tokens m:  0 ............................ 255
+//        n   0  +------------------------------------+  warp 0 (WG 0): unit n16_base + 0  \ one wgmma
+//           16  +------------------------------------+  warp 1                          | m64n256k16 per
+//               |                ...                 |                                   | k16 and WG:
+//           48  +------------------------------------+  warp 3 (WG 0)                   /  128 fp32 acc
+//           64  +------------------------------------+  warps 4..7 (WG 1): units + 4..7       per thread
+//          128  +------------------------------------+
+//    Each weight is dequantized once per 256 tokens (config 6: once per 64). Grid: one CTA per tile,
+//    m tile fastest (the m tiles of one weight tile run together and share it through L2). No split-K.
+//
+// 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES token half-steps (k 64 wide, 32 KB each,
+//    1024-aligned for the swizzle), W_STAGES weight k-steps (8 units' words + absmax, as stored in
+//    global), and 2 mbarriers per slot. Per k-step i the producer fills weight slot i % W_STAGES and
+//    token slots (2i, 2i + 1) % TOK_STAGES.
+//
+// 4. Consumer loop per k-step: wait w_full, load this warp's unit (LDS) and release the weight slot
+//    (one arrive per warp), look up block 0; per block b: look up block b + 1, wgmma.wait_group 1 (the
+//    group of block b - 2 retired: its fragment slot is free), scale, fence, 2 wgmmas (k16 steps of the
+//    block; token half b / 2, waited on at b = 0, 2), commit. At odd blocks the group of the previous
+//    half's last block has retired, so that half's token slot is released.
+// ============================================================================================
+#pragma once
+
+#include "kbit_gemm_wgmma.cuh"
+
+#include <cuda.h>
+
+namespace kbit {
+
+// pipeline knobs (dev/build_variant.sh); the defaults are the measured choice
+#ifndef KBIT_WS_TOK_STAGES
+#define KBIT_WS_TOK_STAGES 4
+#endif
+#ifndef KBIT_WS_W_STAGES
+#define KBIT_WS_W_STAGES 4
+#endif
+#ifndef KBIT_WS_FRAG_SLOTS
+#define KBIT_WS_FRAG_SLOTS 2
+#endif
+
+constexpr size_t WS_TOKEN_BYTES = 64u << 20; // permuted-token buffer (A') per chunk of M
+
+template <int K_BITS_, bool ABS_U8_>
+struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
+    using Base = KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true>;
+    static constexpr int TOK = 256;                 // tokens per CTA tile = wgmma N
+    static constexpr int CONSUMER_WARPS = 8;        // 2 warpgroups, one unit each per k-step
+    static constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
+    // + a producer warpgroup (one warp of it works): 3 warpgroups let setmaxnreg move registers from the producer
+    // to the consumers, whose 128 accumulators + fragments need more than the 224 a 288-thread launch allows
+    // (there ptxas serialized the wgmmas, C7512)
+    static constexpr int WS_THREADS = CONSUMER_THREADS + 128;
+    static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 x 40 + 256 x 232 <= 64K
+    static constexpr int HALF_K = 64;               // k of one TMA box (128 bytes: the swizzle width)
+    static constexpr int TOK_HALF_BYTES = TOK * 128;
+    static constexpr int UNIT_BYTES = 4 * Base::Fmt::UNIT_WORDS;
+    static constexpr int ABS_UNIT_BYTES = UNIT_ABSMAX * (ABS_U8_ ? 1 : 2);
+    static constexpr int W_STAGE_BYTES = CONSUMER_WARPS * (UNIT_BYTES + ABS_UNIT_BYTES);
+    static constexpr int TOK_STAGES = KBIT_WS_TOK_STAGES;
+    static constexpr int W_STAGES = KBIT_WS_W_STAGES;
+    static constexpr int LUT_BYTES = 4 * Base::LUT_WORDS;
+    static constexpr int BAR_BYTES = 8 * 2 * (TOK_STAGES + W_STAGES);
+    static constexpr int SMEM_BYTES = 1024 /* alignment */ + TOK_STAGES * TOK_HALF_BYTES + LUT_BYTES +
+                                      W_STAGES * W_STAGE_BYTES + BAR_BYTES;
+    static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
+    // wgmma_wait<FRAG_SLOTS - 1>: groups of FRAG_SLOTS - 1 blocks in flight while the next is built
+    static constexpr int FRAG_SLOTS = KBIT_WS_FRAG_SLOTS;
+    static_assert(FRAG_SLOTS == 2 || FRAG_SLOTS == 4, "a token half (2 blocks) is released FRAG_SLOTS / 2 halves late");
+    static_assert(TOK_STAGES > FRAG_SLOTS / 2 + 1, "the producer must be able to run ahead");
+};
+
+// ---------------------------------------------------------------------------------------------
+// mbarrier, bulk copy and TMA (PTX ISA 9.7.13.15, 9.7.9.25.4); sm_90a only, like the wgmma helpers
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    KBIT_SM90A_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    KBIT_SM90A_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    KBIT_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    uint32_t done = 0;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+#endif
+}
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t s_dst, const void* g_src, uint32_t bytes, uint32_t bar) {
+    KBIT_SM90A_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(s_dst),
+                   "l"(g_src), "r"(bytes), "r"(bar)
+                   : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t s_dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+    KBIT_SM90A_ASM("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+                       s_dst),
+                   "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+                   : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// D[64 x 256] (+)= A[64 x 16] (registers) x B[16 x 256] (shared, K-major, 128-byte swizzle); accumulate = 0
+// overwrites D: the first wgmma of a tile starts from it, so the accumulators are never zeroed by ordinary
+// instructions (ptxas serializes every wgmma of a kernel whose accumulators are defined between them, C7515)
+#define KBIT_ACC8(i)                                                                                                 \
+    "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),   \
+        "+f"(d[i + 7])
+#define KBIT_ACC64(i) KBIT_ACC8(i), KBIT_ACC8(i + 8), KBIT_ACC8(i + 16), KBIT_ACC8(i + 24), KBIT_ACC8(i + 32),      \
+                      KBIT_ACC8(i + 40), KBIT_ACC8(i + 48), KBIT_ACC8(i + 56)
+#define KBIT_WGMMA_RS_N256(PTX_TYPE)                                                                                 \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                       \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {"                           \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                            \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                  \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                  \
+                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                  \
+                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                  \
+                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "      \
+                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, " \
+                 "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                                                  \
+                 : KBIT_ACC64(0), KBIT_ACC64(64)                                                                     \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+template <typename T> struct WgmmaRS256;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KBIT_WGMMA_BODY(x) x
+#else
+#define KBIT_WGMMA_BODY(x) __trap()
+#endif
+#define KBIT_WGMMA_RS256_SPEC(T, PTX_TYPE)                                                                           \
+    template <> struct WgmmaRS256<T> {                                                                               \
+        static __device__ __forceinline__ void run(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b,         \
+                                                   uint32_t accumulate) {                                            \
+            KBIT_WGMMA_BODY(KBIT_WGMMA_RS_N256(PTX_TYPE));                                                           \
+        }                                                                                                            \
+    };
+KBIT_WGMMA_RS256_SPEC(__half, "f16")
+KBIT_WGMMA_RS256_SPEC(__nv_bfloat16, "bf16")
+#undef KBIT_WGMMA_RS256_SPEC
+#undef KBIT_WGMMA_BODY
+#undef KBIT_WGMMA_RS_N256
+#undef KBIT_ACC64
+#undef KBIT_ACC8
+
+// ---------------------------------------------------------------------------------------------
+// A -> A': the k permutation of the tiled weight applied to the tokens (section 1). One thread per
+// (row, 32-block); rows m0 .. m0 + rows of A into rows 0 .. rows of A' ([rows][K_dim], contiguous).
+// ---------------------------------------------------------------------------------------------
+__global__ void kbit_permute_tokens_kernel(const uint16_t* __restrict__ A, uint32_t* __restrict__ A_perm, int rows,
+                                           int K_dim, int lda, int vec_ok) {
+    const int blocks = K_dim / BLOCK_ELEMS;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)rows * blocks) return;
+    const int r = (int)(idx / blocks), b = (int)(idx % blocks);
+    const uint16_t* src = A + (long long)r * lda + b * BLOCK_ELEMS;
+    uint32_t w[16];
+    if (vec_ok) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + c);
+            w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; i++) w[i] = (uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 16);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(A_perm + ((long long)r * K_dim + b * BLOCK_ELEMS) / 2);
+#pragma unroll
+    for (int wd = 0; wd < 4; wd++) dst[wd] = make_uint4(w[wd], w[4 + wd], w[8 + wd], w[12 + wd]); // new 4wd + t = old 4t + wd
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------------------------
+template <class Cfg> struct WsSmem {
+    uint32_t tok, lut, w, bar; // shared addresses of the token ring, LUT, weight ring, barriers
+    __device__ __forceinline__ uint32_t tok_slot(int s) const { return tok + s * Cfg::TOK_HALF_BYTES; }
+    __device__ __forceinline__ uint32_t w_slot(int s) const { return w + s * Cfg::W_STAGE_BYTES; }
+    __device__ __forceinline__ uint32_t t_full(int s) const { return bar + 8 * s; }
+    __device__ __forceinline__ uint32_t t_empty(int s) const { return bar + 8 * (Cfg::TOK_STAGES + s); }
+    __device__ __forceinline__ uint32_t w_full(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + s); }
+    __device__ __forceinline__ uint32_t w_empty(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + Cfg::W_STAGES + s); }
+};
+
+template <class Cfg>
+__device__ __forceinline__ void ws_producer(const KbitGemmParams& p, const CUtensorMap* tmap, const WsSmem<Cfg>& sm,
+                                            int n16_base, int m_base, int lane) {
+    // lanes 0-7 copy the words of unit n16_base + lane, lanes 8-15 its absmax (units past N: the last one,
+    // whose rows are never stored)
+    const int u = lane % Cfg::CONSUMER_WARPS;
+    const long long unit0 = (long long)min(n16_base + u, p.n16_tiles - 1) * p.k_steps;
+    const char* g_src = lane < 8 ? reinterpret_cast<const char*>(p.B) + unit0 * Cfg::UNIT_BYTES
+                                 : reinterpret_cast<const char*>(p.B_absmax) + unit0 * Cfg::ABS_UNIT_BYTES;
+    const int src_step = lane < 8 ? Cfg::UNIT_BYTES : Cfg::ABS_UNIT_BYTES;
+    const uint32_t dst_off = lane < 8 ? u * Cfg::UNIT_BYTES : Cfg::CONSUMER_WARPS * Cfg::UNIT_BYTES + u * Cfg::ABS_UNIT_BYTES;
+    for (int i = 0; i < p.k_steps; i++) {
+        const int ws = i % Cfg::W_STAGES;
+        if (lane == 0) {
+            mbar_wait(sm.w_empty(ws), ((i / Cfg::W_STAGES) & 1) ^ 1);
+            mbar_arrive_expect_tx(sm.w_full(ws), Cfg::W_STAGE_BYTES);
+        }
+        __syncwarp();
+        if (lane < 16) bulk_copy_g2s(sm.w_slot(ws) + dst_off, g_src + (long long)i * src_step, src_step, sm.w_full(ws));
+        if (lane == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * i + h, ts = j % Cfg::TOK_STAGES;
+                mbar_wait(sm.t_empty(ts), ((j / Cfg::TOK_STAGES) & 1) ^ 1);
+                mbar_arrive_expect_tx(sm.t_full(ts), Cfg::TOK_HALF_BYTES);
+                tma_load_2d(sm.tok_slot(ts), tmap, i * UNIT_K + h * Cfg::HALF_K, m_base, sm.t_full(ts));
+            }
+        }
+        __syncwarp();
+    }
+}
+
+// this warp's unit of weight slot s_w: lane words (lane-major 16- / 8-byte chunks, as in global) and the
+// absmax of rows g, g + 8 (8 bytes of E4M4 or 16 of fp16 at [g][row half][block])
+template <class Cfg>
+__device__ __forceinline__ void ws_read_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS], uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
+                                             uint32_t s_w, int warp, int lane) {
+    using F = typename Cfg::Fmt;
+    const uint32_t s_unit = s_w + warp * Cfg::UNIT_BYTES;
+#pragma unroll
+    for (int c = 0; c < F::NV4; c++)
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r_w[4 * c]), "=r"(r_w[4 * c + 1]), "=r"(r_w[4 * c + 2]), "=r"(r_w[4 * c + 3])
+                     : "r"(s_unit + 4 * (c * 128 + lane * 4)));
+    if constexpr (F::HAS_V2)
+        asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n"
+                     : "=r"(r_w[4 * F::NV4]), "=r"(r_w[4 * F::NV4 + 1])
+                     : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
+    const uint32_t s_abs = s_w + Cfg::CONSUMER_WARPS * Cfg::UNIT_BYTES + warp * Cfg::ABS_UNIT_BYTES +
+                           (lane / 4) * Cfg::ABS_BYTES_PER_LANE;
+    if constexpr (Cfg::ABS_U8)
+        asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r_abs[0]), "=r"(r_abs[1]) : "r"(s_abs));
+    else
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r_abs[0]), "=r"(r_abs[1]), "=r"(r_abs[2]), "=r"(r_abs[3])
+                     : "r"(s_abs));
+}
+
+template <class Cfg, typename T, int BLK>
+__device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg::FRAG_SLOTS][2][4], uint32_t (&raw)[2][2][4],
+                                         const uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
+                                         const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], const WsSmem<Cfg>& sm,
+                                         int i, uint32_t lane_off, int lane, uint32_t accumulate = 1) {
+#ifdef KBIT_PROBE_WS_NO_DEQUANT // timing probe only: the weight words as fragments, no LUT reads
+#pragma unroll
+    for (int s = 0; s < 2; s++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) raw[BLK % 2][s][r] = r_w[(4 * s + r + BLK) % Cfg::Fmt::LANE_WORDS] ^ lane_off;
+#else
+    if constexpr (BLK + 1 < UNIT_BLOCKS) { // LUT reads of the next block first (their latency hides behind this one)
+        lookup_frag_a<Cfg, 2 * (BLK + 1)>(raw[(BLK + 1) % 2][0], r_w, sm.lut, lane_off);
+        lookup_frag_a<Cfg, 2 * (BLK + 1) + 1>(raw[(BLK + 1) % 2][1], r_w, sm.lut, lane_off);
+    }
+#endif
+    const int j = 2 * i + BLK / 2, ts = j % Cfg::TOK_STAGES;
+    if constexpr (BLK % 2 == 0) mbar_wait(sm.t_full(ts), (j / Cfg::TOK_STAGES) & 1);
+    wgmma_wait<Cfg::FRAG_SLOTS - 1>(); // the group of block BLK - FRAG_SLOTS retired: its fragment slot is free
+    if constexpr (BLK % 2 == 1) { // ... and with it the last block of half j - FRAG_SLOTS / 2: release that token slot
+        constexpr int LAG = Cfg::FRAG_SLOTS / 2;
+        if (j >= LAG && lane == 0) mbar_arrive(sm.t_empty((j - LAG) % Cfg::TOK_STAGES));
+    }
+    constexpr int F = BLK % Cfg::FRAG_SLOTS;
+    const uint32_t sc_g = scale_pair<Cfg, T>(r_abs, BLK), sc_g8 = scale_pair<Cfg, T>(r_abs, 4 + BLK);
+#pragma unroll
+    for (int s = 0; s < 2; s++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) frag[F][s][r] = Pack2<T>::mul(raw[BLK % 2][s][r], (r & 1) ? sc_g8 : sc_g);
+    wgmma_fence();
+#ifdef KBIT_PROBE_WS_NO_MMA // timing probe only: keep the fragments alive, skip the wgmmas
+#pragma unroll
+    for (int s = 0; s < 2; s++)
+        asm volatile("" ::"r"(frag[F][s][0]), "r"(frag[F][s][1]), "r"(frag[F][s][2]), "r"(frag[F][s][3]));
+    if (false)
+#endif
+#pragma unroll
+    for (int s = 0; s < 2; s++) // k16 step s of the block: bytes 32 ((BLK % 2) * 2 + s) of each 128-byte token row
+        WgmmaRS256<T>::run(acc, frag[F][s], smem_desc_sw128(sm.tok_slot(ts) + ((BLK % 2) * 2 + s) * 32), s > 0 ? 1u : accumulate);
+    wgmma_commit();
+}
+
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
+    kbit_gemm_wgmma_ws_kernel(const KbitGemmParams p, const __grid_constant__ CUtensorMap tmap) {
+    extern __shared__ __align__(16) uint8_t s_raw[];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint32_t s_raw_addr = (uint32_t)__cvta_generic_to_shared(s_raw);
+    WsSmem<Cfg> sm;
+    sm.tok = (s_raw_addr + 1023u) & ~1023u;
+    sm.lut = sm.tok + Cfg::TOK_STAGES * Cfg::TOK_HALF_BYTES;
+    sm.w = sm.lut + Cfg::LUT_BYTES;
+    sm.bar = sm.w + Cfg::W_STAGES * Cfg::W_STAGE_BYTES;
+
+    const int m_tiles = (p.M + Cfg::TOK - 1) / Cfg::TOK;
+    const int m_base = (blockIdx.x % m_tiles) * Cfg::TOK;
+    const int n16_cta = (blockIdx.x / m_tiles) * Cfg::CONSUMER_WARPS;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < Cfg::TOK_STAGES; s++) {
+            mbar_init(sm.t_full(s), 1);
+            mbar_init(sm.t_empty(s), Cfg::CONSUMER_WARPS);
+        }
+        for (int s = 0; s < Cfg::W_STAGES; s++) {
+            mbar_init(sm.w_full(s), 1);
+            mbar_init(sm.w_empty(s), Cfg::CONSUMER_WARPS);
+        }
+        KBIT_SM90A_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp >= Cfg::CONSUMER_WARPS) {
+        KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
+        if (warp == Cfg::CONSUMER_WARPS) ws_producer<Cfg>(p, &tmap, sm, n16_cta, m_base, lane);
+        return;
+    }
+    KBIT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::CONSUMER_REGS));
+
+    const float cb_entry = load_codebook_entry(p);
+    build_lut<Cfg, T, true>(reinterpret_cast<uint32_t*>(s_raw + (sm.lut - s_raw_addr)), cb_entry, p);
+    named_barrier_sync(1, Cfg::CONSUMER_THREADS); // the LUT, among the consumers
+
+    const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
+    float acc[128]; // first written by the tile's first wgmma (accumulate = 0)
+    uint32_t frag[Cfg::FRAG_SLOTS][2][4], raw[2][2][4];
+    for (int i = 0; i < p.k_steps; i++) {
+        const int ws = i % Cfg::W_STAGES;
+        mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
+        uint32_t r_w[Cfg::Fmt::LANE_WORDS], r_abs[Cfg::ABS_BYTES_PER_LANE / 4];
+        ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
+        lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
+        lookup_frag_a<Cfg, 1>(raw[0][1], r_w, sm.lut, lane_off);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(sm.w_empty(ws)); // the lane words are in registers (read before the arrive)
+        ws_block<Cfg, T, 0>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane, i > 0 ? 1u : 0u);
+        ws_block<Cfg, T, 1>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane);
+        ws_block<Cfg, T, 2>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane);
+        ws_block<Cfg, T, 3>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane);
+    }
+    wgmma_wait<0>();
+#ifdef KBIT_PROBE_WS_NO_STORE // timing probe only: one store per thread instead of the tile
+    if (acc[0] == 1234.5f) reinterpret_cast<float*>(p.C)[threadIdx.x] = acc[1];
+    return;
+#endif
+    store_output<Cfg, T>(reinterpret_cast<const float(&)[1][32][4]>(acc), p, (n16_cta + warp) * UNIT_ROWS, m_base, lane);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: the tensor map of A' (cuTensorMapEncodeTiled through the runtime's driver entry point,
+// so the library needs no -lcuda)
+// ---------------------------------------------------------------------------------------------
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static EncodeTiledFn encode_tiled_fn() {
+    static EncodeTiledFn s_fn = nullptr;
+    if (s_fn == nullptr) {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            s_fn = reinterpret_cast<EncodeTiledFn>(fn);
+    }
+    return s_fn;
+}
+
+// A' [rows][K_dim] 16-bit, boxes of 64 k x 256 rows with the 128-byte swizzle; out-of-range rows and k read as 0
+static bool make_token_map(CUtensorMap* map, const void* A_perm, int rows, int K_dim, int tok) {
+    const EncodeTiledFn fn = encode_tiled_fn();
+    if (fn == nullptr) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)K_dim, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)K_dim * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)tok};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(A_perm), dims, strides, box, elem_strides,
+              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+} // namespace kbit
