@@ -273,11 +273,29 @@ __device__ __forceinline__ void ws_read_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WORD
                      : "r"(s_abs));
 }
 
-template <class Cfg, typename T, int BLK>
+// wait for k-step i's weights, load this warp's unit, release the slot and look up block 0 into raw[0]
+template <class Cfg>
+__device__ __forceinline__ void ws_fetch_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS], uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
+                                              uint32_t (&raw)[2][2][4], const WsSmem<Cfg>& sm, int i, uint32_t lane_off,
+                                              int warp, int lane) {
+    const int ws = i % Cfg::W_STAGES;
+    mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
+    ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
+#ifndef KBIT_PROBE_WS_NO_DEQUANT
+    lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
+    lookup_frag_a<Cfg, 1>(raw[0][1], r_w, sm.lut, lane_off);
+#endif
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.w_empty(ws)); // the lane words are in registers (read before the arrive)
+}
+
+// block BLK of k-step i; after block 3's wgmmas `fetch_next` loads the next k-step's unit and looks up its block 0,
+// so that chain runs while the tensor core works instead of at the start of the next step
+template <class Cfg, typename T, int BLK, class FetchNext>
 __device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg::FRAG_SLOTS][2][4], uint32_t (&raw)[2][2][4],
                                          const uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
                                          const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], const WsSmem<Cfg>& sm,
-                                         int i, uint32_t lane_off, int lane, uint32_t accumulate = 1) {
+                                         int i, uint32_t lane_off, int lane, uint32_t accumulate, FetchNext&& fetch_next) {
 #ifdef KBIT_PROBE_WS_NO_DEQUANT // timing probe only: the weight words as fragments, no LUT reads
 #pragma unroll
     for (int s = 0; s < 2; s++)
@@ -313,6 +331,24 @@ __device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg
     for (int s = 0; s < 2; s++) // k16 step s of the block: bytes 32 ((BLK % 2) * 2 + s) of each 128-byte token row
         WgmmaRS256<T>::run(acc, frag[F][s], smem_desc_sw128(sm.tok_slot(ts) + ((BLK % 2) * 2 + s) * 32), s > 0 ? 1u : accumulate);
     wgmma_commit();
+    if constexpr (BLK + 1 == UNIT_BLOCKS) fetch_next(); // after the issue: before it, ptxas serialized the wgmmas (C7513)
+}
+
+// k-step i from (r_w, r_abs), block 0 already looked up; fetches step i + 1 into (n_w, n_abs)
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_step(float (&acc)[128], uint32_t (&frag)[Cfg::FRAG_SLOTS][2][4], uint32_t (&raw)[2][2][4],
+                                        const uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
+                                        const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
+                                        uint32_t (&n_w)[Cfg::Fmt::LANE_WORDS], uint32_t (&n_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
+                                        const WsSmem<Cfg>& sm, int i, int k_steps, uint32_t lane_off, int warp, int lane) {
+    const auto nothing = [] {};
+    const auto fetch_next = [&] {
+        if (i + 1 < k_steps) ws_fetch_unit<Cfg>(n_w, n_abs, raw, sm, i + 1, lane_off, warp, lane);
+    };
+    ws_block<Cfg, T, 0>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane, i > 0 ? 1u : 0u, nothing);
+    ws_block<Cfg, T, 1>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane, 1u, nothing);
+    ws_block<Cfg, T, 2>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane, 1u, nothing);
+    ws_block<Cfg, T, 3>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane, 1u, fetch_next);
 }
 
 template <class Cfg, typename T>
@@ -358,25 +394,15 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
     float acc[128]; // first written by the tile's first wgmma (accumulate = 0)
     uint32_t frag[Cfg::FRAG_SLOTS][2][4], raw[2][2][4];
-    for (int i = 0; i < p.k_steps; i++) {
-        const int ws = i % Cfg::W_STAGES;
-        mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
-        uint32_t r_w[Cfg::Fmt::LANE_WORDS], r_abs[Cfg::ABS_BYTES_PER_LANE / 4];
-        ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
-        lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
-        lookup_frag_a<Cfg, 1>(raw[0][1], r_w, sm.lut, lane_off);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(sm.w_empty(ws)); // the lane words are in registers (read before the arrive)
-        ws_block<Cfg, T, 0>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane, i > 0 ? 1u : 0u);
-        ws_block<Cfg, T, 1>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane);
-        ws_block<Cfg, T, 2>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane);
-        ws_block<Cfg, T, 3>(acc, frag, raw, r_w, r_abs, sm, i, lane_off, lane);
+    // two register sets for the weights, k-steps alternate between them (the loop is unrolled by 2: no copies)
+    uint32_t r_w[2][Cfg::Fmt::LANE_WORDS], r_abs[2][Cfg::ABS_BYTES_PER_LANE / 4];
+    ws_fetch_unit<Cfg>(r_w[0], r_abs[0], raw, sm, 0, lane_off, warp, lane);
+    for (int i = 0; i < p.k_steps; i += 2) {
+        ws_step<Cfg, T>(acc, frag, raw, r_w[0], r_abs[0], r_w[1], r_abs[1], sm, i, p.k_steps, lane_off, warp, lane);
+        if (i + 1 < p.k_steps)
+            ws_step<Cfg, T>(acc, frag, raw, r_w[1], r_abs[1], r_w[0], r_abs[0], sm, i + 1, p.k_steps, lane_off, warp, lane);
     }
     wgmma_wait<0>();
-#ifdef KBIT_PROBE_WS_NO_STORE // timing probe only: one store per thread instead of the tile
-    if (acc[0] == 1234.5f) reinterpret_cast<float*>(p.C)[threadIdx.x] = acc[1];
-    return;
-#endif
     store_output<Cfg, T>(reinterpret_cast<const float(&)[1][32][4]>(acc), p, (n16_cta + warp) * UNIT_ROWS, m_base, lane);
 }
 
