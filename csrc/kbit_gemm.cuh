@@ -25,6 +25,8 @@
 //        MB 2 also serves M <= 128 (k = 5: 64) for small weights, which stay in L2 across token tiles
 //      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
 //        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper
+//      warp-specialised wgmma (kbit_gemm_wgmma_ws_kernel, sm_90a, kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
+//        tokens, a producer warp (bulk copies + TMA) and 2 consumer warpgroups, for M = 129..2048 on Hopper
 //          k:  0         128        256   ...      K_pad
 //        n 0   +----------+----------+----
 //              | unit     | unit     |      config 0 CTA: rows 0..63 = warps wn 0,1 (32 rows each);
@@ -134,7 +136,7 @@
 //      18.6 -> 19.3, 8192 x 8192 19.1 -> 21.2 and 4096 x 14336 (17 CTAs per tile) 18.3 -> 23.7 at
 //      M = 1, and slower at M = 16 and 64 too. Grid split-K kept.
 //    - the wide config reaches 0.37x cuBLAS at M = 4096; above 256 tokens the staged path (dequantize
-//      + cuBLAS, backends/cuda/ops.py) runs instead.
+//      + cuBLAS, backends/cuda/ops.py) runs instead, and on Hopper config 7 up to M = 2048.
 //    - more split-K (the SM count overridden so splits = 3..8 on 28672 x 8192 M=1): k = 2 48.5 -> 44.1 us
 //      at 8 splits, k = 4 56.5 -> 55.6, and 14336 x 4096 / 8192 x 8192 slower (up to 1.4x): not taken.
 //    - 5 ring stages (k = 2, 3 fit them in 112 KB): no change; one 226 KB CTA per SM with 8 stages: 3-8%

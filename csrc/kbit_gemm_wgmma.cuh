@@ -78,7 +78,8 @@
 //      cuBLAS), k = 4, 28672 x 8192: M=256 378.3 vs 362.0 (staged 474.6), M=1024 1384.5 vs 1341.5 (staged
 //      923.9, cuBLAS 724.3), M=4096 5691.0 vs 5285.5 (cuBLAS 3032.1); 8192 x 28672 M=256 321.6 vs 352.2, but
 //      M=1024 1316.8 vs 1400.4 (staged 944.7). Both run at ~0.55x cuBLAS at every M >= 256: wider token
-//      tiles alone do not make this loop a large-M kernel. Not kept.
+//      tiles alone do not make this loop a large-M kernel. Not kept; the large-M kernel is config 7
+//      (kbit_gemm_wgmma_ws.cuh: the copies in a producer warp, TMA tokens, no CTA barrier in the loop).
 //    - LUT reads two blocks ahead and/or two fragment slots (wgmma_wait<1>) instead of four
 //      (KBIT_WGMMA_LOOKAHEAD / KBIT_WGMMA_FRAG_SLOTS), H100 k = 4 M=64 / M=128: 86.4 / 184.2 here, 89.5 /
 //      189.7 (look-ahead 1, 2 slots), 89.3 / 198.2 (2, 2), 88.2 / 188.8 (2, 4); k = 3 and 14336 x 4096

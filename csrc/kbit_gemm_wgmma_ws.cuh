@@ -42,7 +42,33 @@
 //    (one arrive per warp), look up block 0; per block b: look up block b + 1, wgmma.wait_group 1 (the
 //    group of block b - 2 retired: its fragment slot is free), scale, fence, 2 wgmmas (k16 steps of the
 //    block; token half b / 2, waited on at b = 0, 2), commit. At odd blocks the group of the previous
-//    half's last block has retired, so that half's token slot is released.
+//    half's last block has retired, so that half's token slot is released. After block 3's wgmmas the warp
+//    already waits for the next k-step's weights, loads its unit into the other of two register sets (the
+//    loop is unrolled by 2) and looks up its block 0, so that chain runs under the tensor work.
+//
+// 5. Registers: 3 warpgroups (the producer's has one working warp) so that setmaxnreg can give the consumers
+//    232 registers and the producers 40. With one producer warp (288 threads, 224 registers each) ptxas
+//    serialized every wgmma (C7512, "insufficient register resources") although the kernel used 168; the
+//    accumulators are first written by the tile's first wgmma (scale-d = 0), because zeroing them with
+//    ordinary instructions made ptxas serialize the wgmmas as well (C7515). Check every build for C751x.
+//
+// 6. Why (H200, k = 4, us, dev/probe_paths.py; cuBLAS fp16 in brackets; the dispatch rule and its numbers are
+//    in kbit_gemm.cu, ws_config_fits):
+//    - the first version (serialized wgmmas, C7512) vs with setmaxnreg: 28672 x 8192 M=1024 873.0 -> 801.0
+//      (746.6), M=4096 3500.1 -> 3237.7 (3046.9); 14336 x 4096 M=4096 937.8 -> 860.7 (718.7).
+//    - leave-one-out builds (KBIT_PROBE_WS_NO_DEQUANT: weight words as fragments, no LUT reads;
+//      KBIT_PROBE_WS_NO_MMA: no wgmma; one call), 28672 x 8192 M=4096: full 3237.7, without the dequant 2773.5
+//      (faster than cuBLAS, 2991.1), without the wgmmas 2014.4; 14336 x 4096 M=1024: 230.3 / 201.8 / 162.7. The
+//      LUT dequant in the consumer warps costs ~15%: with two consumer warps per scheduler its latency is not
+//      hidden behind the wgmmas.
+//    - the next unit fetched after block 3 (this version) vs at the start of each k-step: 1-3% (4096 x 14336
+//      M=1024 198.8 / 205.4 -> 194.2 / 197.8, 28672 x 8192 779.7 / 807.4 -> 768.8 / 785.5, two rounds).
+//    - not kept: 5 token half-slots with 2 weight slots (14336 x 4096 M=4096 880.4 vs 860.7, 28672 x 8192
+//      3460.4 vs 3237.7); 5 or 2 weight slots (within +-3%); 4 fragment slots (ptxas serialized the wgmmas,
+//      C7513); persistent CTAs (min(tiles, SMs) CTAs looping over tiles, the LUT built once, the producer
+//      running into the next tile during the epilogue): 14336 x 4096 M=512 100.5 / 101.9 -> 109.4 / 108.5,
+//      M=1024 214.4 / 217.1 -> 225.3 / 227.2, 28672 x 8192 equal (two rounds; the hardware's block
+//      scheduler balances the waves better than a static round robin).
 // ============================================================================================
 #pragma once
 
