@@ -719,13 +719,10 @@ template <class Cfg> __device__ __forceinline__ void zero_acc(float (&acc)[Cfg::
             for (int r = 0; r < 4; r++) acc[mt][mb][r] = 0.0f;
 }
 
-// this lane's 2*K_BITS words and absmax bytes of unit mt of a ring stage (the layout load_stage_async wrote)
+// this lane's 2*K_BITS words of the unit at s_unit (lane-major 16-byte chunks, then 8-byte ones, as in global)
 template <class Cfg>
-__device__ __forceinline__ void read_unit_from_stage(uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
-                                                     uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], uint32_t s_stage,
-                                                     int mt, int lane) {
+__device__ __forceinline__ void lds_unit_words(uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS], uint32_t s_unit, int lane) {
     using F = typename Cfg::Fmt;
-    const uint32_t s_unit = s_stage + 4 * mt * F::UNIT_WORDS;
 #pragma unroll
     for (int c = 0; c < F::NV4; c++)
         asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
@@ -735,13 +732,26 @@ __device__ __forceinline__ void read_unit_from_stage(uint32_t (&r_w)[Cfg::Fmt::L
         asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n"
                      : "=r"(r_w[4 * F::NV4]), "=r"(r_w[4 * F::NV4 + 1])
                      : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
-    const uint32_t s_abs = s_stage + 4 * Cfg::STAGE_W_WORDS + (mt * 32 + lane) * Cfg::ABS_BYTES_PER_LANE;
+}
+
+// this lane's absmax of rows g, g + 8 (8 bytes of E4M4 or 16 of fp16) at s_abs
+template <class Cfg>
+__device__ __forceinline__ void lds_unit_absmax(uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], uint32_t s_abs) {
     if constexpr (Cfg::ABS_U8)
         asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r_abs[0]), "=r"(r_abs[1]) : "r"(s_abs));
     else
         asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
                      : "=r"(r_abs[0]), "=r"(r_abs[1]), "=r"(r_abs[2]), "=r"(r_abs[3])
                      : "r"(s_abs));
+}
+
+// this lane's 2*K_BITS words and absmax bytes of unit mt of a ring stage (the layout load_stage_async wrote)
+template <class Cfg>
+__device__ __forceinline__ void read_unit_from_stage(uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
+                                                     uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], uint32_t s_stage,
+                                                     int mt, int lane) {
+    lds_unit_words<Cfg>(r_w, s_stage + 4 * mt * Cfg::Fmt::UNIT_WORDS, lane);
+    lds_unit_absmax<Cfg>(r_abs, s_stage + 4 * Cfg::STAGE_W_WORDS + (mt * 32 + lane) * Cfg::ABS_BYTES_PER_LANE);
 }
 
 // scale pair {s, s} for (half, blk) of one unit, as the compute dtype; the E4M4 factor is in the LUT

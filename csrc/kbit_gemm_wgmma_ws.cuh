@@ -278,25 +278,9 @@ __device__ __forceinline__ void ws_producer(const KbitGemmParams& p, const CUten
 template <class Cfg>
 __device__ __forceinline__ void ws_read_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS], uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
                                              uint32_t s_w, int warp, int lane) {
-    using F = typename Cfg::Fmt;
-    const uint32_t s_unit = s_w + warp * Cfg::UNIT_BYTES;
-#pragma unroll
-    for (int c = 0; c < F::NV4; c++)
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r_w[4 * c]), "=r"(r_w[4 * c + 1]), "=r"(r_w[4 * c + 2]), "=r"(r_w[4 * c + 3])
-                     : "r"(s_unit + 4 * (c * 128 + lane * 4)));
-    if constexpr (F::HAS_V2)
-        asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n"
-                     : "=r"(r_w[4 * F::NV4]), "=r"(r_w[4 * F::NV4 + 1])
-                     : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
-    const uint32_t s_abs = s_w + Cfg::CONSUMER_WARPS * Cfg::UNIT_BYTES + warp * Cfg::ABS_UNIT_BYTES +
-                           (lane / 4) * Cfg::ABS_BYTES_PER_LANE;
-    if constexpr (Cfg::ABS_U8)
-        asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r_abs[0]), "=r"(r_abs[1]) : "r"(s_abs));
-    else
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r_abs[0]), "=r"(r_abs[1]), "=r"(r_abs[2]), "=r"(r_abs[3])
-                     : "r"(s_abs));
+    lds_unit_words<Cfg>(r_w, s_w + warp * Cfg::UNIT_BYTES, lane);
+    lds_unit_absmax<Cfg>(r_abs, s_w + Cfg::CONSUMER_WARPS * Cfg::UNIT_BYTES + warp * Cfg::ABS_UNIT_BYTES +
+                                    (lane / 4) * Cfg::ABS_BYTES_PER_LANE);
 }
 
 // wait for k-step i's weights, load this warp's unit, release the slot and look up block 0 into raw[0]
