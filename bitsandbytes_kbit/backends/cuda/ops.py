@@ -302,7 +302,8 @@ def kbit_gemm_cuda(
 ) -> None:
     """C = A @ W^T (+ bias) into ``out`` ([..., N], A's dtype).
 
-    path: "auto" (fused kernel up to STAGED_MIN_M - 1 tokens, staged above), "fused" or "staged".
+    path: "auto" (the fused kernel up to STAGED_MIN_M - 1 tokens; above, staged unless the native dispatcher
+    takes the call with its warp-specialised Hopper config), "fused" or "staged".
     config forces one compiled configuration of the fused kernel (-1: its dispatcher picks) and
     sm_count overrides the SM count it plans with, so tests reach every config and split on any GPU."""
     A2 = A.reshape(-1, K_dim)
@@ -314,9 +315,10 @@ def kbit_gemm_cuda(
     device = A.device
     sms = sm_count or _sm_count(device.index)
     lib = get_lib()
-    if path == "staged" or (path == "auto" and config < 0 and M >= STAGED_MIN_M and _staged_preferred(lib, device, M, N, K_dim, k, sms)):
-        if _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
-            return
+    large_m = path == "auto" and config < 0 and M >= STAGED_MIN_M
+    staged = path == "staged" or (large_m and _staged_preferred(lib, device, M, N, K_dim, k, sms))
+    if staged and _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
+        return  # else (no scratch under graph capture) the fused kernel
     fn = _entry(
         "ckbit_gemm_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[A.dtype], absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype], k=k
     )
