@@ -19,6 +19,22 @@ requires_cuda = pytest.mark.skipif(
 requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (device indices 0 and 1)")
 
 
+def hopper_ready() -> bool:
+    """The warp-specialised GEMM config 7 exists only on compute capability 9.0 with an sm_90a build."""
+    if not cuda_ready() or torch.cuda.get_device_capability(0) != (9, 0):
+        return False
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available
+
+    return gemm_config_available(7, 0)
+
+
+# tests of the Hopper-only config 7 (run on the H100 / H200 machines: benchmarking/run_gpu.sh); every other GPU
+# runs the same calls through configs 0-6 and the staged path, which the other CUDA tests cover
+requires_hopper = pytest.mark.skipif(
+    not hopper_ready(), reason="needs a compute capability 9.0 GPU (H100/H200) and a library built for sm_90a"
+)
+
+
 def seeded(*parts) -> torch.Generator:
     """A CPU generator seeded from the test case's parameters: fresh data per case, reproducible per id."""
     g = torch.Generator()

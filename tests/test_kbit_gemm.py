@@ -9,7 +9,7 @@ the output (one rounding: 2^-11 / 2^-8 relative); relative Frobenius error <= 2e
 
 import pytest
 import torch
-from conftest import requires_two_gpus, seeded
+from conftest import requires_hopper, requires_two_gpus, seeded
 
 import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit.backends.default import tiled_layout
@@ -306,14 +306,11 @@ def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
 
 
 @pytest.mark.cuda
+@requires_hopper
 def test_cuda_gemm_warp_specialised_chunks_and_graph():
     """Config 7 (Hopper, sm_90a build): M cut into several permuted-token chunks (K = 14336 fits 2304 tokens
     per chunk), and the dispatcher's large-M choice for a wide weight (config 7: permute, tensor map, kernel)
     captured in a CUDA graph with out= and replayed on new data."""
-    from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available
-
-    if not gemm_config_available(7):
-        pytest.skip("config 7 needs a compute capability 9.0 GPU and an sm_90a build")
     run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
     run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
     N, K_dim, k, M = 14336, 1024, 4, 512
