@@ -10,7 +10,8 @@ For each shape (N, K) and M it times, in one run on one GPU:
   floor         bytes / bandwidth, bytes = N*K*(k/8 + 1/32) + 2*M*K + 2*M*N, bandwidth from a large
                 read + write kernel measured in this run
 Timing: CUDA-graph replay of one call per weight copy, weights (and small activations) rotated
-over enough copies that a rotation touches > 3x the L2 size, median of many replays.
+over enough copies that a rotation touches > 3x the L2 size, median of many replays. The paths of one
+(shape, M) are replayed in interleaved rounds, so clock drift over the run does not favour the first.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as torch_F
-from timing import copies_to_defeat_l2, gpu_info, l2_bytes, median_us, median_us_graph, read_write_bandwidth
+from timing import copies_to_defeat_l2, gpu_info, l2_bytes, median_us_graphs_interleaved, read_write_bandwidth
 
 import bitsandbytes_kbit.functional as F
 
@@ -37,20 +38,12 @@ SHAPES = {
 LARGE = ("L8B-gateup", "L8B-down", "L70B-q", "L70B-gateup", "L70B-down")
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 MAX_COPIES = 200
+ROUNDS, ITERS_PER_ROUND = 5, 4  # 20 graph replays per path, interleaved with the other paths
 
 
 def floor_us(N, K, M, k, bw):
     nbytes = N * K * (k / 8 + 1 / 32) + 2 * M * K + 2 * M * N
     return nbytes / bw * 1e6
-
-
-def time_rotated(fn, rotate):
-    try:
-        return median_us_graph(fn, rotate=rotate, iters=20)
-    except Exception as exc:  # noqa: BLE001  (a path that cannot be captured is timed with events)
-        print(f"    (graph capture failed: {type(exc).__name__}: {exc}; timing with events)", file=sys.stderr)
-        torch.cuda.synchronize()
-        return median_us(fn, rotate=rotate, iters=50)
 
 
 def bench_shape(name, N, K, ms, ks, dtype, bw, bnb):
@@ -76,22 +69,33 @@ def bench_shape(name, N, K, ms, ks, dtype, bw, bnb):
     for M in ms:
         a_copies = copies_to_defeat_l2(M * K * 2, max_copies=MAX_COPIES)
         As = [torch.randn(M, K, device="cuda", generator=g).to(dtype) for _ in range(a_copies)]
-        row = {}
-        fp_rot = max(len(fp16_copies), a_copies)
-        row["fp16"] = time_rotated(lambda i: torch_F.linear(As[i % a_copies], fp16_copies[i % len(fp16_copies)]), fp_rot)
+        # every path of this (shape, M) in interleaved rounds (timing.median_us_graphs_interleaved)
+        paths = {
+            "fp16": (
+                lambda i, As=As, a_copies=a_copies: torch_F.linear(
+                    As[i % a_copies], fp16_copies[i % len(fp16_copies)]
+                ),
+                max(len(fp16_copies), a_copies),
+            )
+        }
         if nf4 is not None:
-            rot = max(len(nf4), a_copies)
-            row["nf4"] = time_rotated(
-                lambda i: bnb.matmul_4bit(As[i % a_copies], nf4[i % len(nf4)][0].t(), quant_state=nf4[i % len(nf4)][1]),
-                rot,
+            paths["nf4"] = (
+                lambda i, As=As, a_copies=a_copies: bnb.matmul_4bit(
+                    As[i % a_copies], nf4[i % len(nf4)][0].t(), quant_state=nf4[i % len(nf4)][1]
+                ),
+                max(len(nf4), a_copies),
             )
         for k in ks:
             cb, copies = kbit[k]
             out = torch.empty(M, N, device="cuda", dtype=dtype)
-            rot = max(len(copies), a_copies)
-            row[f"k{k}"] = time_rotated(
-                lambda i: F.kbit_gemm(As[i % a_copies], *copies[i % len(copies)], cb, k, N, K, out=out), rot
+            paths[f"k{k}"] = (
+                lambda i, k=k, cb=cb, copies=copies, out=out, As=As, a_copies=a_copies: F.kbit_gemm(
+                    As[i % a_copies], *copies[i % len(copies)], cb, k, N, K, out=out
+                ),
+                max(len(copies), a_copies),
             )
+        row = median_us_graphs_interleaved(paths, rounds=ROUNDS, iters=ITERS_PER_ROUND)
+        for k in ks:
             row[f"floor_k{k}"] = floor_us(N, K, M, k, bw)
         results[M] = row
         cells = " ".join(f"k{k}={row[f'k{k}']:.1f}" for k in ks)

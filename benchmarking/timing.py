@@ -30,10 +30,9 @@ def median_us(fn, rotate: int = 1, warmup: int = 10, iters: int = 100) -> float:
     return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def median_us_graph(fn, rotate: int = 1, warmup: int = 3, iters: int = 50, calls_per_graph: int = 0) -> float:
-    """Median per-call time of fn(i) replayed from a CUDA graph that holds one call for each of
-    `rotate` inputs (or `calls_per_graph` calls cycling over them): launch gaps hidden, as in
-    decoding with CUDA graphs."""
+def capture_graph(fn, rotate: int = 1, warmup: int = 3, calls_per_graph: int = 0) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph holding one call of fn(i) for each of `rotate` inputs (or `calls_per_graph` calls
+    cycling over them), after `warmup` eager calls on a side stream; returns (graph, calls)."""
     calls = calls_per_graph or rotate
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -47,6 +46,11 @@ def median_us_graph(fn, rotate: int = 1, warmup: int = 3, iters: int = 50, calls
             fn(i % rotate)
     graph.replay()
     torch.cuda.synchronize()
+    return graph, calls
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, calls: int, iters: int) -> list[float]:
+    """Per-call microseconds of `iters` replays of graph (events around each replay)."""
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -55,7 +59,41 @@ def median_us_graph(fn, rotate: int = 1, warmup: int = 3, iters: int = 50, calls
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return times
+
+
+def median_us_graph(fn, rotate: int = 1, warmup: int = 3, iters: int = 50, calls_per_graph: int = 0) -> float:
+    """Median per-call time of fn(i) replayed from a CUDA graph that holds one call for each of
+    `rotate` inputs (or `calls_per_graph` calls cycling over them): launch gaps hidden, as in
+    decoding with CUDA graphs."""
+    graph, calls = capture_graph(fn, rotate, warmup, calls_per_graph)
+    return statistics.median(replay_us(graph, calls, iters))
+
+
+def median_us_graphs_interleaved(paths: dict, rounds: int = 5, iters: int = 4) -> dict:
+    """Median per-call time of several paths of the same product, paths = {name: (fn, rotate)}, each
+    replayed from its own CUDA graph (as median_us_graph) in `rounds` interleaved rounds of `iters`
+    replays, the order rotating by one path each round. Timed one after the other, the paths timed last
+    ran on a hotter, lower-clocked GPU at large M (H100, 4096 x 4096 M = 4096: k = 2, 3, 4, 5 in that
+    order took 218, 223, 225, 228 us on the same staged path); interleaved, drift falls on all alike.
+    A path whose capture fails is timed with events (median_us) after the rounds."""
+    graphs, eager = {}, {}
+    for name, (fn, rotate) in paths.items():
+        try:
+            graphs[name] = capture_graph(fn, rotate)
+        except Exception as exc:  # noqa: BLE001  (a path that cannot be captured is timed with events)
+            print(f"    ({name}: graph capture failed: {type(exc).__name__}: {exc}; timing with events)")
+            torch.cuda.synchronize()
+            eager[name] = (fn, rotate)
+    times = {name: [] for name in graphs}
+    names = list(graphs)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)] if names else []:
+            times[name] += replay_us(*graphs[name], iters)
+    result = {name: statistics.median(t) for name, t in times.items()}
+    for name, (fn, rotate) in eager.items():
+        result[name] = median_us(fn, rotate=rotate, iters=rounds * iters * 2)
+    return {name: result[name] for name in paths}
 
 
 def read_write_bandwidth(nbytes: int = 2 << 30) -> float:

@@ -224,26 +224,42 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 // Config 7 (warp-specialised, 128 rows x 256 tokens) from WS_MIN_M tokens up to WS_MAX_M, when its tiles fill at
 // least 3/4 of the SMs (it has no split-K). H200, k = 4, us, config 7 vs what ran before (config 6 up to 256
 // tokens, the staged path above), cuBLAS fp16 in brackets (dev/probe_paths.py --configs 6 7 --staged):
-//   14336 x 4096  M=256 53.9 vs 94.8 (50.0), M=1024 219.9 vs 237.1 (188.6), M=2048 406.6 vs 411.4 (369.0)
-//   28672 x 8192  M=256 214.6 vs 358.6 (211.2), M=1024 768.0 vs 921.3 (734.6), M=2048 1547.9 vs 1649.1
+//   14336 x 4096  M=256 53.9 vs 94.8 (50.0), M=1024 219.9 vs 237.1 (188.6)
+//   28672 x 8192  M=256 214.6 vs 358.6 (211.2), M=1024 768.0 vs 921.3 (734.6)
 //   8192 x 28672  M=512 343.9 vs 536.9 (349.2), M=1024 716.6 vs 897.9 (708.8)
 //   below 3/4 of the SMs: 4096 x 14336 M=256 (32 tiles) 155.0 vs 83.3; 8192 x 28672 M=256 (64) 300.8 vs 310.0
-//   M=128: 59.2 vs 47.5 (14336 x 4096): a 64-token tile wastes less; M=4096: the staged path is 3-8% faster
-//   (14336 x 4096 812.0 vs 758.8, 8192 x 28672 3207.1 vs 2970.6), the fp16 copy amortized over more tokens
+//   M=128: 59.2 vs 47.5 (14336 x 4096): a 64-token tile wastes less
+// Above WS_MAX_M_SMALL_WEIGHT tokens only weights of at least WS_LARGE_WEIGHT elements keep config 7: the staged
+// path's fp16 copy is amortized over more tokens, and config 7's partial last wave costs more where its tiles
+// run fewer k-steps. Config 7 vs staged, us, paths interleaved (dev/probe_paths.py --configs 7 --staged), k = 4,
+// M = 1280 / 1536 / 2048:
+//   H100: 28672 x 8192 998 / 1247 / 1644 vs 1137 / 1311 / 1678; 8192 x 28672 1124 / 1182 / 1601 vs 1140 / 1362 / 1699
+//         8192 x 8192 330 / 363 / 478 vs 305 / 370 / 470; 4096 x 14336 371 / 379 / 431 vs 264 / 309 / 409;
+//         14336 x 4096 301 / 355 / 438 vs 288 / 319 / 406; 4096 x 4096 110 / 117 / 130 vs 73 / 84 / 108
+//   H200: 28672 x 8192 1030 / 1315 / 1653 vs 1085 / 1290 / 1620; 8192 x 28672 1131 / 1179 / 1577 vs 1104 / 1337 /
+//         1688; 8192 x 8192 334 / 360 / 475 vs 289 / 373 / 461; 4096 x 14336 358 / 367 / 420 vs 247 / 292 / 398;
+//         14336 x 4096 308 / 367 / 440 vs 283 / 313 / 406; 4096 x 4096 110 / 117 / 127 vs 70 / 85 / 107
+// At M = 1024 config 7 wins on every shape of 32M weights or more (H100 8192 x 8192 246 vs 274, 4096 x 14336 202 vs
+// 224; 4096 x 4096 64 vs 62); at M = 4096 the staged path is 3-8% faster on every shape.
 constexpr int WS_MIN_M = 129;
 constexpr int WS_MAX_M = 2048;
-static bool ws_config_fits(int M, int N, int sm_count) {
+constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
+constexpr long long WS_LARGE_WEIGHT = 1LL << 27; // 134M elements: 28672 x 8192 and 8192 x 28672, not 8192 x 8192
+static bool ws_config_fits(int M, int N, int K_dim, int sm_count) {
     if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
+    if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT) return false;
     const long long tiles = (long long)ceil_div(N, 128) * ceil_div(M, 256);
     return 4 * tiles >= 3LL * (sm_count > 0 ? sm_count : 1);
 }
 // The staged path (dequantize + cuBLAS, backends/cuda/ops.py) above 256 tokens, unless config 7 takes the call
 constexpr int FUSED_MAX_M = 256;
-static bool staged_preferred(int M, int N, int sm_count) { return M > FUSED_MAX_M && !ws_config_fits(M, N, sm_count); }
+static bool staged_preferred(int M, int N, int K_dim, int sm_count) {
+    return M > FUSED_MAX_M && !ws_config_fits(M, N, K_dim, sm_count);
+}
 
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1;
-    if (ws_config_fits(M, N, sm_count)) return Dispatch{WS_CONFIG, 1};
+    if (ws_config_fits(M, N, K_dim, sm_count)) return Dispatch{WS_CONFIG, 1};
     const auto tiles = [&](int config) {
         const ConfigInfo c = config_info(config);
         return (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m());
@@ -531,9 +547,8 @@ int ckbit_gemm_num_configs(void) { return kbit::NUM_CONFIGS; }
 
 // 1 when the dispatcher wants the staged path (dequantize + cuBLAS) for this call on the current device
 int ckbit_gemm_staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {
-    (void)K_dim;
     (void)k_bits;
-    return kbit::staged_preferred(M, N, sm_count) ? 1 : 0;
+    return kbit::staged_preferred(M, N, K_dim, sm_count) ? 1 : 0;
 }
 
 int ckbit_gemm_config_available(int config) { return kbit::config_available(config) ? 1 : 0; }

@@ -1,5 +1,6 @@
 """Time every fused config (forced), the staged path and cuBLAS fp16 for chosen shapes and M on one
 GPU run: the table the dispatcher thresholds in csrc/kbit_gemm.cu and backends/cuda/ops.py come from.
+The paths of one (shape, k, M) are timed in interleaved rounds (timing.median_us_graphs_interleaved).
 
     python dev/probe_paths.py --shapes 14336x4096 4096x14336 --ms 8 16 32 128 256 --ks 4
 """
@@ -12,26 +13,30 @@ import torch
 import torch.nn.functional as torch_F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarking"))
-from timing import copies_to_defeat_l2, median_us_graph
+from timing import copies_to_defeat_l2, median_us_graphs_interleaved
 
 import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit.backends.cuda.ops import gemm_num_configs, kbit_gemm_cuda
 
+PRODUCE_A = False  # --produce-a: an elementwise kernel writes A right before each call (as a norm would)
 
-def time_path(As, copies, cb, k, N, K, out, ref, **kw) -> str:
-    """Median us of one kbit_gemm_cuda path over rotated copies, and its error against ref."""
+
+def kbit_path(As, copies, cb, k, N, K, out, **kw):
+    """One kbit_gemm_cuda path over rotated copies: (fn(i), rotate) for median_us_graphs_interleaved."""
 
     def run(i):
         Bp, Ba = copies[i % len(copies)]
+        if PRODUCE_A:
+            As[i % len(As)].mul_(1.0)
         kbit_gemm_cuda(As[i % len(As)], Bp, Ba, cb, k, N, K, None, out, **kw)
 
-    try:
-        t = median_us_graph(run, rotate=max(len(As), len(copies)), iters=20)
-    except Exception as exc:  # noqa: BLE001  (a config the device cannot run is reported, not fatal)
-        return f"fail:{type(exc).__name__}"
+    return run, max(len(As), len(copies))
+
+
+def rel_error(run, out, ref) -> float:
+    out.fill_(float("nan"))
     run(0)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    return f"{t:7.1f}" + ("" if err < 5e-3 else f"(ERR {err:.1e})")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def weight_copies(W, k):
@@ -59,7 +64,12 @@ def main():
         default=[],
         help="also time the dispatcher planning for these SM counts (other split-K choices)",
     )
+    ap.add_argument("--nf4", action="store_true", help="also time bitsandbytes NF4 (quantize_4bit + matmul_4bit)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (4 replays each) per path")
+    ap.add_argument("--produce-a", action="store_true", help="an elementwise kernel writes A before every call")
     args = ap.parse_args()
+    global PRODUCE_A
+    PRODUCE_A = args.produce_a
     configs = args.configs if args.configs is not None else list(range(gemm_num_configs()))
     dtype = torch.float16
     print(f"{torch.cuda.get_device_name()}  lib={os.environ.get('BNB_KBIT_LIBRARY', 'installed')}")
@@ -73,18 +83,44 @@ def main():
                 As = [torch.randn(M, K, device="cuda").to(dtype) for _ in range(na)]
                 out = torch.empty(M, N, device="cuda", dtype=dtype)
                 ref = torch_F.linear(As[0], F.dequantize_kbit(packed, absmax, cb, k, N * K, dtype).view(N, K))
-                t16 = median_us_graph(
-                    lambda i, As=As, Ws=w_copies: torch_F.linear(As[i % len(As)], Ws[i % len(Ws)]),
-                    rotate=max(na, len(w_copies)),
-                    iters=20,
-                )
-                cells = [f"fp16={t16:7.1f}"]
+                paths = {
+                    "fp16": (
+                        lambda i, As=As, Ws=w_copies: torch_F.linear(
+                            As[i % len(As)].mul_(1.0) if PRODUCE_A else As[i % len(As)], Ws[i % len(Ws)]
+                        ),
+                        max(na, len(w_copies)),
+                    )
+                }
+                if args.nf4:
+                    import bitsandbytes as bnb
+
+                    nf4 = [bnb.functional.quantize_4bit(Wc, blocksize=64, quant_type="nf4") for Wc in w_copies]
+                    paths["nf4"] = (
+                        lambda i, As=As, nf4=nf4: bnb.matmul_4bit(
+                            As[i % len(As)], nf4[i % len(nf4)][0].t(), quant_state=nf4[i % len(nf4)][1]
+                        ),
+                        max(na, len(nf4)),
+                    )
                 variants = [(f"c{c}", {"config": c}) for c in configs] + [("auto", {})]
                 variants += [(f"sm{s}", {"sm_count": s}) for s in args.sm_counts]
                 if args.staged:
                     variants.append(("staged", {"path": "staged"}))
+                errors, failed = {}, {}
                 for name, kw in variants:
-                    cells.append(f"{name}=" + time_path(As, copies, cb, k, N, K, out, ref, **kw))
+                    run, rot = kbit_path(As, copies, cb, k, N, K, out, **kw)
+                    try:  # a config the device cannot run is reported, not fatal
+                        errors[name] = rel_error(run, out, ref)
+                        paths[name] = (run, rot)
+                    except Exception as exc:  # noqa: BLE001
+                        failed[name] = f"fail:{type(exc).__name__}"
+                times = median_us_graphs_interleaved(paths, rounds=args.rounds, iters=4)
+                cells = []
+                for name in ["fp16", "nf4"] + [v[0] for v in variants]:
+                    if name in failed:
+                        cells.append(f"{name}={failed[name]}")
+                    elif name in times:
+                        err = errors.get(name, 0.0)
+                        cells.append(f"{name}={times[name]:7.1f}" + ("" if err < 5e-3 else f"(ERR {err:.1e})"))
                 print(f"{shape:>11} k={k} M={M:<5} " + "  ".join(cells), flush=True)
 
 
