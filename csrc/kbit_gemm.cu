@@ -359,6 +359,43 @@ template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, 
     check_launch("ckbit_gemm shared-A");
 }
 
+constexpr int CLUSTER_MAX_STEPS = 32, CLUSTER_MAX_STEPS_FEWER = 8;
+// Config 6 reduces split-K through a thread-block cluster (kbit_gemm_wgmma.cuh section 8) when the k_splits
+// CTAs of a tile can form a portable cluster (<= 8) and every tile's cluster is resident at once
+// (cudaOccupancyMaxActiveClusters, cached per device and split count); otherwise through the workspace.
+template <typename Kernel>
+static bool cluster_reduce_fits(Kernel kernel, dim3 grid, int threads, int smem_bytes, int k_splits,
+                                signed char (&cache)[64][MAX_SPLITS + 1]) {
+#ifdef KBIT_NO_CLUSTER_REDUCE // A/B timing builds (dev/build_variant.sh)
+    return false;
+#endif
+    if (k_splits < 2 || k_splits > 8) return false;
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 64) return false;
+    signed char& known = cache[dev][k_splits];
+    if (known == 0) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(1, k_splits, 1);
+        cfg.blockDim = dim3(threads, 1, 1);
+        cfg.dynamicSmemBytes = smem_bytes;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = 1;
+        attr.val.clusterDim.y = k_splits;
+        attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+            cudaGetLastError(); // a refusal only means: reduce through the workspace
+            clusters = 0;
+        }
+        known = clusters <= 0 ? -1 : (signed char)(clusters > 127 ? 127 : clusters);
+    }
+    return known > 0 && (long long)known >= (long long)grid.x * grid.z;
+}
+
 // grid: m tile fastest (kbit_gemm_wgmma.cuh section 5)
 template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     if (!wgmma_available()) {
@@ -368,8 +405,38 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
     static bool s_attr_set[64] = {};
     if (!prepare_launch(kbit_gemm_wgmma_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, k_splits, "wgmma")) return;
     p.a_rows = Cfg::TOK;
-    const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N) * ceil_div(p.M, Cfg::TOK), k_splits);
-    kbit_gemm_wgmma_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
+    const int tiles = ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N) * ceil_div(p.M, Cfg::TOK);
+    // the most splits, down to half the planned ones, whose clusters are all resident at once, where the reduction
+    // weighs: CTAs of at most CLUSTER_MAX_STEPS k-steps (CLUSTER_MAX_STEPS_FEWER with fewer splits than planned)
+    static signed char s_cluster[64][MAX_SPLITS + 1] = {};
+    p.cluster_reduce = 0;
+    for (int s = k_splits < 8 ? k_splits : 8; s >= 2 && 2 * s >= k_splits && !p.cluster_reduce; s--)
+        if (ceil_div(p.k_steps, s) <= (s == k_splits ? CLUSTER_MAX_STEPS : CLUSTER_MAX_STEPS_FEWER) &&
+            cluster_reduce_fits(kbit_gemm_wgmma_kernel<Cfg, T>, dim3(tiles, s), Cfg::THREADS, Cfg::SMEM_BYTES, s,
+                                s_cluster)) {
+            p.cluster_reduce = 1;
+            k_splits = s;
+            p.k_splits = s;
+            p.ks_per_split = ceil_div(p.k_steps, s);
+        }
+    const dim3 grid(tiles, k_splits);
+    if (p.cluster_reduce) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = grid;
+        cfg.blockDim = dim3(Cfg::THREADS, 1, 1);
+        cfg.dynamicSmemBytes = Cfg::SMEM_BYTES;
+        cfg.stream = stream;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = 1;
+        attr.val.clusterDim.y = k_splits;
+        attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_kernel<Cfg, T>, p);
+    } else {
+        kbit_gemm_wgmma_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
+    }
     check_launch("ckbit_gemm wgmma");
 }
 
@@ -451,6 +518,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
 
     KbitGemmParams p;
     set_tiled_weight(p, B_packed, B_absmax, codebook, codebook_len, N, K_dim);
+    p.cluster_reduce = 0;
     p.A = A;
     p.bias = bias;
     p.C = C;

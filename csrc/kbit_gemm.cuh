@@ -544,6 +544,7 @@ struct KbitGemmParams {
     int a_vec_ok;           // A 16-byte aligned and lda % 8 == 0
     int a_word_ok;          // A 4-byte aligned and lda % 2 == 0
     int a_rows;             // token rows of A staged per k-step: min(M, TILE_M)
+    int cluster_reduce;     // config 6: the k_splits CTAs of a tile are one cluster and reduce through DSMEM
 };
 
 // build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES.

@@ -124,6 +124,9 @@ struct KbitWgmmaConfig : KbitGemmConfig<K_BITS_, TOK_ / 8, MT_, WARPS_, 1, ABS_U
     static constexpr int RAW_SLOTS = LOOKAHEAD + 1;
     static constexpr int FRAG_SLOTS = KBIT_WGMMA_FRAG_SLOTS; // 2 or 4
     static_assert((LOOKAHEAD == 1 || LOOKAHEAD == 2) && (FRAG_SLOTS == 2 || FRAG_SLOTS == 4), "pipeline knobs");
+    // the cluster split-K park (cluster_reduce_store): [TOK][rows + 4] fp32 over the ring, after the k-loop
+    static constexpr int PARK_STRIDE = Base::WARPS_N * MT_ * UNIT_ROWS + 4;
+    static_assert(TOK * PARK_STRIDE * 4 <= SMEM_BYTES - 1024, "the cluster park fits in the ring");
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -144,6 +147,30 @@ __device__ __forceinline__ void wgmma_fence() { KBIT_SM90A_ASM("wgmma.fence.sync
 __device__ __forceinline__ void wgmma_commit() { KBIT_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     KBIT_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// thread-block clusters: PTX ISA 9.7.12.3 (barrier.cluster), 9.7.9.21 (mapa), 9.7.9.8 (ld.shared::cluster),
+// 10.9 (%cluster_ctarank)
+__device__ __forceinline__ void cluster_barrier() {
+    KBIT_SM90A_ASM("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r = 0;
+    KBIT_SM90A_ASM("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// the address of shared-memory word s_addr of this CTA in the CTA of cluster rank `rank`
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t s_addr, uint32_t rank) {
+    uint32_t d = 0;
+    KBIT_SM90A_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(d) : "r"(s_addr), "r"(rank));
+    return d;
+}
+__device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t s_cluster_addr) {
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    KBIT_SM90A_ASM("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                   : "r"(s_cluster_addr)
+                   : "memory");
+    return v;
 }
 // byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128B-swizzled region (1024-aligned)
 __device__ __forceinline__ uint32_t swizzle128(int row, int chunk) {
@@ -345,6 +372,58 @@ __device__ __forceinline__ void compute_stage_wgmma(float (&acc)[Cfg::MT][Cfg::M
     block_wgmma<Cfg, T, 3>(acc, frag, st, s_tok, s_lut, lane_off);
 }
 
+// Split-K through a thread-block cluster (section 8): the k_splits CTAs of a tile (cluster dims (1, k_splits,
+// 1), rank = split) park their partial tiles in their own shared memory as [token][row] fp32 (row stride
+// PARK_STRIDE: the park stores are conflict-free), then each rank sums one k_splits-th of the tile over all
+// ranks, in rank order (0 + split 0 + split 1 + ...: the workspace path's order, so the same bits), and
+// stores it to C. Called by every thread after the k-loop; s_park: 16-byte aligned, PARK_BYTES free.
+template <class Cfg, typename T>
+__device__ __forceinline__ void cluster_reduce_store(const float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
+                                                     uint32_t s_park, float* s_park_ptr, int n_base_cta, int m_base,
+                                                     int warp, int lane) {
+    constexpr int ROWS = Cfg::WARPS_N * Cfg::MT * UNIT_ROWS, STRIDE = Cfg::PARK_STRIDE;
+    const int g = lane / 4, t = lane % 4;
+    __syncthreads(); // every warp's wgmmas and ring reads are done: the ring becomes the park
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+        for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int n_local = (warp * Cfg::MT + mt) * UNIT_ROWS + g + 8 * (r / 2);
+                const int m_local = mb * 8 + 2 * t + (r % 2);
+                s_park_ptr[m_local * STRIDE + n_local] = acc[mt][mb][r];
+            }
+    cluster_barrier(); // every rank's partial is parked
+    const int ranks = p.k_splits, rank = (int)cluster_rank();
+    constexpr int QUADS = Cfg::TOK * ROWS / 4; // float4s of the tile
+    const int q_end = (rank + 1) * QUADS / ranks;
+    T* g_C = reinterpret_cast<T*>(p.C);
+    const T* g_bias = reinterpret_cast<const T*>(p.bias);
+    for (int q = rank * QUADS / ranks + threadIdx.x; q < q_end; q += Cfg::THREADS) {
+        const int m_local = q / (ROWS / 4), n_local = (q % (ROWS / 4)) * 4;
+        const int m = m_base + m_local;
+        if (m >= p.M) continue;
+        const uint32_t s_quad = s_park + 4u * (uint32_t)(m_local * STRIDE + n_local);
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int src = 0; src < ranks; src++) {
+            const float4 v = ld_cluster_f32x4(map_to_rank(s_quad, (uint32_t)src));
+            sum[0] += v.x;
+            sum[1] += v.y;
+            sum[2] += v.z;
+            sum[3] += v.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int n = n_base_cta + n_local + e;
+            if (n >= p.N) break;
+            const float b = g_bias ? Pack2<T>::to_float(g_bias[n]) : 0.0f;
+            g_C[(long long)m * p.N + n] = Pack2<T>::from_float(sum[e] * Cfg::OUT_FACTOR + b);
+        }
+    }
+    cluster_barrier(); // the other ranks keep their shared memory until every rank has read it
+}
+
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wgmma_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint8_t s_raw[];
@@ -399,6 +478,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wgmma_kernel(const 
     }
     wgmma_wait<0>();
     cp_async_wait<0>();
+    if (p.k_splits > 1 && p.cluster_reduce) {
+        const int n_base_cta = (tile / m_tiles) * Cfg::WARPS_N * Cfg::MT * UNIT_ROWS;
+        cluster_reduce_store<Cfg, T>(acc, p, s_tok_ring, reinterpret_cast<float*>(s_raw + (s_tok_ring - s_raw_addr)),
+                                     n_base_cta, m_base, warp, lane);
+        return;
+    }
     if (p.k_splits > 1) {
         __syncthreads();
         if (!reduce_split_k<Cfg>(acc, p, tile, warp, true, lane, &s_flag)) return;
