@@ -84,6 +84,28 @@
 //      (KBIT_WGMMA_LOOKAHEAD / KBIT_WGMMA_FRAG_SLOTS), H100 k = 4 M=64 / M=128: 86.4 / 184.2 here, 89.5 /
 //      189.7 (look-ahead 1, 2 slots), 89.3 / 198.2 (2, 2), 88.2 / 188.8 (2, 4); k = 3 and 14336 x 4096
 //      alike within +-4%. The one-block look-ahead with four slots stays.
+//
+// 8. Split-K through a thread-block cluster (cluster_reduce_store, p.cluster_reduce). With the workspace the
+//    last CTA of a tile reads every split's 64 KB partial alone; a timing-only build that skipped the
+//    reduction (H100, k = 4, us) ran 1024 x 4096 M=256 (8 splits) 18.0 -> 11.4, 4096 x 14336 M=64 30.2 ->
+//    24.2, 8192 x 8192 M=64 31.7 -> 26.5: the serial read of 0.5 MB at one SM's L2 bandwidth is the cost.
+//    In a cluster of the k_splits CTAs (dims (1, k_splits, 1)) each CTA parks its partial in its own
+//    shared memory, [token][row] fp32 with row stride rows + 4 (conflict-free park stores), and after a
+//    cluster barrier every rank sums a k_splits-th of the tile over all ranks through DSMEM in rank order
+//    (so the same bits as the workspace path) and stores it; a second barrier keeps the parks alive.
+//
+//          rank 0 park  rank 1 park ... rank S-1 park        rank r: float4s [r Q / S, (r+1) Q / S) of the
+//          [64][260]    [64][260]       [64][260]            Q = 64 x 256 / 4 quads, summed over ranks 0..S-1
+//
+//    The launcher (kbit_gemm.cu) takes it when the clusters are all resident at once
+//    (cudaOccupancyMaxActiveClusters; H100: 66 clusters of 2, 39 of 3, 30 of 4, 17 of 6, 15 of 8, one CTA per
+//    SM) and each CTA runs at most 32 k-steps; it may drop to fewer splits (down to half) only where the CTAs
+//    then run at most 8. H100, us, cluster vs workspace, k = 4, two runs each: 1024 x 4096 M=256 (8 -> 6
+//    splits) 15.1 / 15.1 vs 17.0 / 17.0; 4096 x 4096 M=64 (8 -> 6) 16.0 / 16.2 vs 18.4 / 18.2, M=256 (2)
+//    27.5 / 27.6 vs 30.7 / 31.0; 14336 x 4096 M=64 (2) 27.7 / 27.5 vs 29.8 / 30.3; 8192 x 8192 M=128 (2) 47.8 /
+//    48.7 vs 50.1 / 50.0. Not taken: fewer splits for long CTAs (4096 x 14336 M=64, 8 -> 6: 32.5 vs 30.4;
+//    M=128, 4 -> 3: 55.6 vs 45.2; 8192 x 28672 M=64, 4 -> 3: 97.2 vs 82.4) and 2-CTA clusters of 112 k-steps
+//    (8192 x 28672 M=128: 170.9 / 173.5 vs 162.0 / 162.9).
 // ============================================================================================
 #pragma once
 
