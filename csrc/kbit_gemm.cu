@@ -363,6 +363,23 @@ constexpr int CLUSTER_MAX_STEPS = 32, CLUSTER_MAX_STEPS_FEWER = 8;
 // Config 6 reduces split-K through a thread-block cluster (kbit_gemm_wgmma.cuh section 8) when the k_splits
 // CTAs of a tile can form a portable cluster (<= 8) and every tile's cluster is resident at once
 // (cudaOccupancyMaxActiveClusters, cached per device and split count); otherwise through the workspace.
+// a launch of grid (x, k_splits) as clusters of the k_splits CTAs of a tile (attr: the caller's, it must outlive cfg)
+static cudaLaunchConfig_t split_cluster_launch(dim3 grid, int threads, int smem_bytes, cudaStream_t stream,
+                                               cudaLaunchAttribute& attr) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads, 1, 1);
+    cfg.dynamicSmemBytes = smem_bytes;
+    cfg.stream = stream;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1;
+    attr.val.clusterDim.y = grid.y;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    return cfg;
+}
+
 template <typename Kernel>
 static bool cluster_reduce_fits(Kernel kernel, dim3 grid, int threads, int smem_bytes, int k_splits,
                                 signed char (&cache)[64][MAX_SPLITS + 1]) {
@@ -375,17 +392,8 @@ static bool cluster_reduce_fits(Kernel kernel, dim3 grid, int threads, int smem_
     if (dev >= 64) return false;
     signed char& known = cache[dev][k_splits];
     if (known == 0) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(1, k_splits, 1);
-        cfg.blockDim = dim3(threads, 1, 1);
-        cfg.dynamicSmemBytes = smem_bytes;
         cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1;
-        attr.val.clusterDim.y = k_splits;
-        attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
+        const cudaLaunchConfig_t cfg = split_cluster_launch(dim3(1, k_splits), threads, smem_bytes, nullptr, attr);
         int clusters = 0;
         if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
             cudaGetLastError(); // a refusal only means: reduce through the workspace
@@ -421,18 +429,8 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
         }
     const dim3 grid(tiles, k_splits);
     if (p.cluster_reduce) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = grid;
-        cfg.blockDim = dim3(Cfg::THREADS, 1, 1);
-        cfg.dynamicSmemBytes = Cfg::SMEM_BYTES;
-        cfg.stream = stream;
         cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1;
-        attr.val.clusterDim.y = k_splits;
-        attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
+        const cudaLaunchConfig_t cfg = split_cluster_launch(grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream, attr);
         cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_kernel<Cfg, T>, p);
     } else {
         kbit_gemm_wgmma_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
