@@ -1368,7 +1368,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
         shared_a_loop_smem_ring<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, s_w_ring, a_off, s_lut_ptr,
                                         cb_entry, lane_off, lane);
     cp_async_wait<0>();
+#ifdef KBIT_PROBE_NO_SPLITK_REDUCE // timing probe only: every split stores its partial as C (wrong values)
+    if (false) {
+#else
     if (p.k_splits > 1) { // M <= 256 with few n tiles: same deterministic slot reduction as configs 0-2
+#endif
         __syncthreads();
         const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
         if (!reduce_split_k<Cfg>(acc, p, tile_id, warp, true, lane, &s_flag)) return;
