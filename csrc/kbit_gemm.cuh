@@ -43,16 +43,17 @@
 //    elements it dequantizes are 4 "pairs" (k 8t+2p, 8t+2p+1), p = 0..3, of rows g and g+8.
 //    Dequant of a pair: e = LUT index (2*K_BITS bits), one LDS.32 of a half2 {cb[i0]*F, cb[i1]*F}
 //    from a LUT duplicated LUT_COPIES times (copy = lane % LUT_COPIES: bank-conflict free for 32
-//    copies; k = 5 has 1024 entries: 4 copies in configs 0-1, 8 in the shared-A configs, where the
-//    32 KB table still leaves 2-3 ring stages: H200 8192 x 28672 M=1 87.2 -> 82.7 us, M=32 105.7 ->
-//    101.8), then one HMUL2 by the block scale {s, s}. k = 2 looks up a QUAD (the fields of MMA registers
+//    copies; k = 5 has 1024 entries: 4 copies in configs 0-1, 8 in the shared-A configs with smem weight
+//    rings, where the 32 KB table still leaves 2-3 ring stages: H200 8192 x 28672 M=1 87.2 -> 82.7 us,
+//    M=32 105.7 -> 101.8; 16 in configs 2-3, whose weights skip smem: H100 M=1 28672 x 8192 74.8 -> 61.5),
+//    then one HMUL2 by the block scale {s, s}. k = 2 looks up a QUAD (the fields of MMA registers
 //    2h and 2h + 1, one byte of a lo word) in a 256-entry table of 8-byte entries, 16 copies (an LDS.64
 //    is served per half warp), 32 KB: one shift + LOP3 + LDS.64 per 4 weights, and the two halves land
 //    in consecutive registers as the MMA wants them (pairs 2h, 2h+2 would cost a move each: 364 vs 306
 //    instructions per k-step). H200 M = 1: 28672 x 8192 48.3 -> 46.0 us, 8192 x 28672 43.1 -> 41.5.
 //    k = 3 at MB = 1 applies the scale in fp32 after the MMA instead (POST_SCALE, KbitGemmConfig).
-//    The repack (TiledFormat) stores each lane's fields so that e is one shift + one LOP3 (k = 2, 4)
-//    or two shifts + two LOP3 (k = 3, 5: a 2-bits-per-element "lo" field + a 1-bit "hi" field).
+//    The repack (TiledFormat) stores each lane's pair indices e as contiguous 2k-bit fields of its 2k words, so
+//    the LUT address is one shift (a funnel shift for the k = 3, 5 fields that straddle two words) + one LOP3.
 //    E4M4 scales need no decode arithmetic: the bits (code << 6) ARE an fp16 equal to absmax / 16
 //    (code << 3: a bf16 equal to absmax * 2^-116, subnormals included); F = 16 (or 2^116) is
 //    folded into the LUT. fp16 absmax: F = 1 (bf16 compute converts the scale through fp32).
@@ -191,23 +192,22 @@ static_assert(UNIT_K % BLOCK_ELEMS == 0, "a unit must hold whole quantization bl
 // Per k-bit width: how a lane's 2*K_BITS words per unit hold its 32 pair fields.
 //   pair q = 4*u + j, u = 2*blk + s (MMA k16 step), j = MMA register (0: row g, pair 2s; 1: row g+8,
 //   pair 2s; 2: row g, pair 2s+1; 3: row g+8, pair 2s+1). A pair = elements (8t+2p, 8t+2p+1).
-//   lo field: LO_BITS_PER_ELEM low index bits of both elements (elem0 in the low half);
-//   hi field (k odd): the top index bit of elem0 (bit 0) and elem1 (bit 1).
-//   LUT index e = lo | hi << LO_FIELD_BITS.
-//   k = 2: byte b of lo word w holds pairs q = 8w + 2b and + 1, i.e. MMA registers 2h and 2h + 1 of MMA u
+//   The pair's field is its LUT index e (FIELD_BITS = 2 K_BITS bits) at bits [q FIELD_BITS, + FIELD_BITS)
+//   of the lane's words read as one 64 K_BITS-bit little-endian stream (word w = stream bits 32w..32w+31);
+//   for k = 3, 5 a field may straddle two words (one funnel shift reads it). Every k thus needs one shift + one
+//   LOP3 per LUT address; the former odd-k split (a low-bits field + a 2-bit top-bits field in other words) needed
+//   two of each: H100 M = 1 k = 3, us, 14336 x 4096 18.1 -> 14.8, 28672 x 8192 55.3 -> 44.0 (docs/kernel.md).
+//   e = lo | hi << LO_FIELD_BITS: lo = the LO_BITS_PER_ELEM low index bits of elem0, then of elem1; hi
+//   (k odd) = the top index bit of elem0 (bit 0) and of elem1 (bit 1).
+//   k = 2: byte b of word w holds pairs q = 8w + 2b and + 1, i.e. MMA registers 2h and 2h + 1 of MMA u
 //   (q = 4u + 2h): one "quad" the GEMM looks up at once into two consecutive registers.
 template <int K_BITS> struct TiledFormat {
     static_assert(K_BITS >= 2 && K_BITS <= 5, "K_BITS must be 2..5");
     static constexpr int LO_BITS_PER_ELEM = K_BITS >= 4 ? 4 : 2;
     static constexpr int LO_FIELD_BITS = 2 * LO_BITS_PER_ELEM;          // 4 or 8
-    static constexpr int HAS_HI = (K_BITS & 1);                          // k = 3, 5
-    static constexpr int LO_FIELDS_PER_WORD = 32 / LO_FIELD_BITS;        // 8 or 4
-    static constexpr int HI_FIELDS_PER_WORD = 16;                        // 2 bits each
+    static constexpr int FIELD_BITS = 2 * K_BITS;                        // one pair's LUT index
     static constexpr int PAIRS_PER_LANE = 32;                            // 2 rows x 4 blocks x 4 pairs
-    static constexpr int LO_WORDS = PAIRS_PER_LANE / LO_FIELDS_PER_WORD; // 4 or 8
-    static constexpr int HI_WORDS = HAS_HI ? PAIRS_PER_LANE / HI_FIELDS_PER_WORD : 0;
-    static constexpr int LANE_WORDS = LO_WORDS + HI_WORDS;               // = 2 * K_BITS
-    static_assert(LANE_WORDS == 2 * K_BITS, "fields must use exactly K_BITS bits per element");
+    static constexpr int LANE_WORDS = PAIRS_PER_LANE * FIELD_BITS / 32;  // = 2 * K_BITS
     static constexpr int LUT_ENTRIES = 1 << (2 * K_BITS);
     static constexpr int UNIT_WORDS = 32 * LANE_WORDS;                   // 64 * K_BITS
     // a lane's words are stored as NV4 uint4 chunks then (if LANE_WORDS % 4) one uint2 chunk,
@@ -273,11 +273,17 @@ struct KbitGemmConfig {
     // LUT: k = 3..5 a pair table (entry = one half2 / bf162), k = 2 a quad table (entry = two of them,
     // read with one LDS.64: 256 entries). Copies: one per lane (conflict-free) for k = 3, 4; 16 for the
     // quad table (an LDS.64 is served per half warp); k = 5 has 1024 entries: 4 copies (16 KB) in the
-    // per-warp configs, 8 (32 KB) in the shared-A ones
+    // per-warp configs, 8 (32 KB) in the shared-A ones with weight rings in smem, 16 (64 KB) in the register-
+    // weight configs 2 and 3, whose smem holds only the table and A (lanes l, l + 16 share a copy: 2-way
+    // conflicts at most, against 4-way with 8). H100, us, 8 -> 16 copies: M = 1 14336 x 4096 23.9 -> 20.3,
+    // 28672 x 8192 74.8 -> 61.5, 4096 x 14336 23.3 -> 20.9; M = 16 26.3 -> 23.4, 81.8 -> 68.0, 26.6 -> 24.3
     static constexpr bool QUAD_LUT = Fmt::QUAD;
     static constexpr int LUT_ENTRIES = QUAD_LUT ? 256 : Fmt::LUT_ENTRIES;
     static constexpr int LUT_ENTRY_BYTES = QUAD_LUT ? 8 : 4;
-    static constexpr int LUT_COPIES = QUAD_LUT ? 16 : K_BITS <= 4 ? 32 : SHARED_A_ ? 8 : 4;
+#ifndef KBIT_K5_LUT_COPIES_REG // k = 5 table copies of the register-weight configs (dev/build_variant.sh)
+#define KBIT_K5_LUT_COPIES_REG 16
+#endif
+    static constexpr int LUT_COPIES = QUAD_LUT ? 16 : K_BITS <= 4 ? 32 : SHARED_A_ && MB <= 2 ? KBIT_K5_LUT_COPIES_REG : SHARED_A_ ? 8 : 4;
     static constexpr int LUT_WORDS = LUT_ENTRIES * LUT_COPIES * LUT_ENTRY_BYTES / 4;
     static constexpr int LUT_STRIDE_LOG2 = ilog2(LUT_COPIES * LUT_ENTRY_BYTES); // bytes per entry (all copies)
     static_assert((1 << LUT_STRIDE_LOG2) == LUT_COPIES * LUT_ENTRY_BYTES, "LUT stride = copies x entry bytes");
@@ -453,15 +459,14 @@ template <int K_BITS> __host__ __device__ inline void lut_index_to_pair(int e, i
 template <int K_BITS>
 __host__ __device__ inline void tiled_bit_source(int lane, int lw, int bit, int& row, int& kk, int& ibit) {
     using F = TiledFormat<K_BITS>;
-    int q, elem;
-    if (lw < F::LO_WORDS) {
-        q = lw * F::LO_FIELDS_PER_WORD + bit / F::LO_FIELD_BITS;
-        const int x = bit % F::LO_FIELD_BITS;
+    const int pos = 32 * lw + bit; // in the lane's bit stream
+    const int q = pos / F::FIELD_BITS, x = pos % F::FIELD_BITS;
+    int elem;
+    if (x < F::LO_FIELD_BITS) {
         elem = x / F::LO_BITS_PER_ELEM;
         ibit = x % F::LO_BITS_PER_ELEM;
     } else {
-        q = (lw - F::LO_WORDS) * F::HI_FIELDS_PER_WORD + bit / 2;
-        elem = bit % 2;
+        elem = x - F::LO_FIELD_BITS;
         ibit = F::LO_BITS_PER_ELEM;
     }
     const int u = q / 4, j = q % 4;
@@ -775,26 +780,21 @@ __device__ __forceinline__ uint32_t scale_pair(const uint32_t (&r_abs)[Cfg::ABS_
     }
 }
 
-// LUT byte address of pair q of a lane (q compile-time after unrolling)
-template <class Cfg, int Q>
-__host__ __device__ __forceinline__ uint32_t lut_addr(const uint32_t* r_w, uint32_t lane_off) {
+// LUT byte address of pair q of a lane (q compile-time after unrolling): one shift (a funnel shift where the
+// field straddles two words) moves field bit 0 to bit LS, one LOP3 masks it and adds the lane's copy
+template <class Cfg, int Q> __device__ __forceinline__ uint32_t lut_addr(const uint32_t* r_w, uint32_t lane_off) {
     using F = typename Cfg::Fmt;
     constexpr int LS = Cfg::LUT_STRIDE_LOG2;
-    constexpr int LO_W = Q / F::LO_FIELDS_PER_WORD;
-    constexpr int LO_SH = (Q % F::LO_FIELDS_PER_WORD) * F::LO_FIELD_BITS - LS; // field bit 0 -> bit LS
-    constexpr uint32_t LO_MASK = ((1u << F::LO_FIELD_BITS) - 1) << LS;
-    const uint32_t lo = r_w[LO_W];
-    const uint32_t lo_part = LO_SH >= 0 ? (lo >> (LO_SH >= 0 ? LO_SH : 0)) : (lo << (LO_SH < 0 ? -LO_SH : 0));
-    if constexpr (F::HAS_HI) {
-        constexpr int HI_W = F::LO_WORDS + Q / F::HI_FIELDS_PER_WORD;
-        constexpr int HI_SH = (Q % F::HI_FIELDS_PER_WORD) * 2 - (LS + F::LO_FIELD_BITS);
-        constexpr uint32_t HI_MASK = 3u << (LS + F::LO_FIELD_BITS);
-        const uint32_t hi = r_w[HI_W];
-        const uint32_t hi_part = HI_SH >= 0 ? (hi >> (HI_SH >= 0 ? HI_SH : 0)) : (hi << (HI_SH < 0 ? -HI_SH : 0));
-        return (lo_part & LO_MASK) | (hi_part & HI_MASK) | lane_off;
+    constexpr int W = Q * F::FIELD_BITS / 32, B = Q * F::FIELD_BITS % 32; // field bit 0 = bit B of word W
+    constexpr uint32_t MASK = ((1u << F::FIELD_BITS) - 1) << LS;
+    uint32_t x;
+    if constexpr (B + F::FIELD_BITS > 32) { // straddles: B > 32 - FIELD_BITS >= 22 > LS
+        static_assert(B >= LS, "a straddling field shifts right");
+        x = __funnelshift_r(r_w[W], r_w[W + 1], B - LS);
     } else {
-        return (lo_part & LO_MASK) | lane_off;
+        x = B >= LS ? r_w[W] >> (B >= LS ? B - LS : 0) : r_w[W] << (B < LS ? LS - B : 0);
     }
+    return (x & MASK) | lane_off;
 }
 
 // the block scale of (half, blk) as an fp32 (POST_SCALE): E4M4 = the code's bits << 19 (absmax * 2^-116,

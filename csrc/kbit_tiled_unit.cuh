@@ -83,19 +83,16 @@ __device__ __forceinline__ uint32_t scale_of(const uint32_t* abs, int idx, const
     }
 }
 
-// LUT index of pair pr (elements 8t + 2pr, +1) of (row g + 8 half, block blk): the lo field, plus
-// the hi field above it for odd K_BITS (field positions: TiledFormat, tiled_bit_source).
+// LUT index of pair pr (elements 8t + 2pr, +1) of (row g + 8 half, block blk): the pair's 2k-bit field of
+// the lane's word stream (field positions: TiledFormat, tiled_bit_source).
 template <int K_BITS, bool ABS_U8>
 __device__ __forceinline__ uint32_t pair_lut_index(const UnitRegs<K_BITS, ABS_U8>& r, int blk, int half, int pr) {
     using F = TiledFormat<K_BITS>;
     const int q = 4 * (2 * blk + (pr >> 1)) + (half | ((pr & 1) << 1));
-    const uint32_t lo_word = r.w[q / F::LO_FIELDS_PER_WORD];
-    uint32_t e = (lo_word >> ((q % F::LO_FIELDS_PER_WORD) * F::LO_FIELD_BITS)) & ((1u << F::LO_FIELD_BITS) - 1);
-    if constexpr (F::HAS_HI) {
-        const uint32_t hi_word = r.w[F::LO_WORDS + q / F::HI_FIELDS_PER_WORD];
-        e |= ((hi_word >> (2 * (q % F::HI_FIELDS_PER_WORD))) & 3u) << F::LO_FIELD_BITS;
-    }
-    return e;
+    const int w = q * F::FIELD_BITS / 32, b = q * F::FIELD_BITS % 32; // field bit 0 = bit b of word w
+    uint32_t e = r.w[w] >> b;
+    if (b + F::FIELD_BITS > 32) e |= r.w[w + 1] << (32 - b); // straddles two words (k = 3, 5)
+    return e & ((1u << F::FIELD_BITS) - 1);
 }
 
 // A block of the weight, in whole units: rows [16 n16_begin, n_end) x k [128 ks_begin, k_end),

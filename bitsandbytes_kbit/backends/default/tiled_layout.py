@@ -12,10 +12,11 @@ The tiled format (owned by the repack kernel; the constants below MUST equal csr
   * inside a unit, lane = 4*g + t (g = 0..7, t = 0..3) of the GEMM warp owns rows g and g+8 and, of
     each of the 4 quantization blocks, k = 8t .. 8t+7, as 32 "pairs" q = 4*u + j with
     u = 2*blk + s, j in 0..3: row g + 8*(j & 1), pair p = 2*s + (j >> 1) = elements (8t+2p, 8t+2p+1).
-  * a lane's 2*k words: LO words first, each holding fields of LO_FIELD_BITS (4 for k = 2, 3; 8 for
-    k = 4, 5): the LO_BITS_PER_ELEM low index bits of element 0, then of element 1; pair q in field
-    q % per_word of lo word q // per_word. For k = 3, 5: then 2 HI words of 16 two-bit fields (top
-    index bit of element 0, then element 1).
+  * a lane's 2*k words, read as one 64k-bit little-endian stream (word w = bits 32w .. 32w+31), hold
+    pair q's LUT index e at stream bits [2k*q, 2k*q + 2k) (for k = 3, 5 a field may straddle two
+    words). e = lo | hi << lo_field_bits: lo = the lo_bits_per_elem (2 for k = 2, 3; 4 for k = 4, 5)
+    low index bits of element 0, then of element 1; hi (k = 3, 5) = the top index bit of element 0
+    (bit 0), then of element 1.
   * the lane's words sit in the unit as uint4 chunks (lane word lw < 4*NV4 at (lw//4)*128 + lane*4 + lw%4)
     then one uint2 chunk (NV4*128 + lane*2 + lw - 4*NV4) when 2*k % 4 == 2.
   * absmax of a unit: [g 0..7][half 0..1][blk 0..3], row g + 8*half, block blk.
@@ -36,15 +37,9 @@ LANES = 32
 
 
 def _format(k: int):
+    """(lo_bits_per_elem, lo_field_bits, lane_words) of TiledFormat<k>."""
     lo_bits_per_elem = 4 if k >= 4 else 2
-    lo_field_bits = 2 * lo_bits_per_elem
-    has_hi = k % 2 == 1
-    lo_fields_per_word = 32 // lo_field_bits
-    lo_words = 32 // lo_fields_per_word
-    hi_words = 2 if has_hi else 0
-    lane_words = lo_words + hi_words
-    assert lane_words == 2 * k
-    return lo_bits_per_elem, lo_field_bits, lo_fields_per_word, lo_words, lane_words
+    return lo_bits_per_elem, 2 * lo_bits_per_elem, 2 * k
 
 
 def tiled_sizes(k: int, N: int, K_dim: int) -> tuple[int, int]:
@@ -56,7 +51,8 @@ def tiled_sizes(k: int, N: int, K_dim: int) -> tuple[int, int]:
 @functools.cache  # pure function of k; rebuilding it dominated small repacks
 def _unit_bit_sources(k: int):
     """For every (unit word offset, bit): (row in unit, k in unit, index bit). Shapes [64k, 32]."""
-    lo_bpe, lo_fb, lo_fpw, lo_words, lane_words = _format(k)
+    lo_bpe, lo_fb, lane_words = _format(k)
+    field_bits = 2 * k
     nv4 = lane_words // 4
     unit_words = 32 * lane_words
     src_row = torch.zeros(unit_words, 32, dtype=torch.long)
@@ -67,13 +63,11 @@ def _unit_bit_sources(k: int):
         for lw in range(lane_words):
             off = (lw // 4) * 128 + lane * 4 + lw % 4 if lw < 4 * nv4 else nv4 * 128 + lane * 2 + (lw - 4 * nv4)
             for bit in range(32):
-                if lw < lo_words:
-                    q = lw * lo_fpw + bit // lo_fb
-                    x = bit % lo_fb
+                q, x = divmod(32 * lw + bit, field_bits)  # pair, bit of its LUT index
+                if x < lo_fb:
                     elem, ibit = x // lo_bpe, x % lo_bpe
                 else:
-                    q = (lw - lo_words) * 16 + bit // 2
-                    elem, ibit = bit % 2, lo_bpe
+                    elem, ibit = x - lo_fb, lo_bpe
                 u, j = q // 4, q % 4
                 blk, s = u // 2, u % 2
                 half, pair = j & 1, 2 * s + (j >> 1)
