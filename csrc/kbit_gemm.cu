@@ -34,13 +34,15 @@ static bool check_launch(const char* what) {
 #define KBIT_CONFIG_TABLE(X)                                                                                         \
     X(0, 1, 2, 2, 4) /* small weights, M <= 4: one token tile, A in the ring, 2 units per warp              */ \
     X(1, 2, 2, 2, 4) /* small weights, 4 < M <= 16: 2 token tiles share each fragment, A in registers      */
-// Shared-A configs (KbitSharedAConfig: 8 warps along n, the A tile of a k-step in one CTA ring):
-//   id  MB MT CTAs/SM   reason
+// Shared-A configs (KbitSharedAConfig: 8 warps, WARPS_K of them along k, the A tile of a CTA step in one ring):
+//   id  MB MT CTAs/SM WARPS_K   reason
 #define KBIT_SHARED_A_TABLE(X)                                                                                       \
-    X(2, 1, 2, 2) /* M <= 8:        256 x 8 CTA tile, 112 KB                                             */      \
-    X(3, 2, 2, 2) /* 8 < M <= 16:   256 x 16                                                                */      \
-    X(4, 4, 2, 2) /* M > 16:        256 x 32 (and M > 32 when the wide tiles would not fill 1/8 of the SMs) */      \
-    X(5, 8, 2, 1) /* M > 32 ("wide"): 256 x 64, 226 KB (sm_90)                                               */
+    X(2, 1, 2, 2, 1) /* M <= 8:        256 x 8 CTA tile, 112 KB                                             */      \
+    X(3, 2, 2, 2, 1) /* 8 < M <= 16:   256 x 16                                                                */      \
+    X(4, 4, 2, 2, 1) /* M > 16:        256 x 32 (and M > 32 when the wide tiles would not fill 1/8 of the SMs) */      \
+    X(5, 8, 2, 1, 1) /* M > 32 ("wide"): 256 x 64, 226 KB (sm_90)                                               */      \
+    X(8, 1, 2, 2, 2) /* config 2 as 128 x 8 CTA tiles, 2 warps along k: half the split-K splits (split-heavy)  */      \
+    X(9, 2, 2, 2, 2) /* config 3 as 128 x 16                                                                    */
 
 // wgmma configs (KbitWgmmaConfig, sm_90a only: kbit_gemm_wgmma.cuh; 8 warps along n, one CTA per SM):
 //   id  TOK MT WARPS   reason
@@ -49,7 +51,8 @@ static bool check_launch(const char* what) {
 // warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
 // tokens, a producer warp (bulk copies + TMA) and 2 consumer warpgroups, tokens through a permuted copy
 constexpr int WS_CONFIG = 7;
-constexpr int NUM_CONFIGS = 8;
+constexpr int NUM_CONFIGS = 10;
+constexpr int WARPS_K_CONFIG_OFFSET = 6; // configs 8, 9 = configs 2, 3 with two warps along k
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
 constexpr int WIDE_CONFIG = 5;            // MB = 8
 constexpr int FIRST_WGMMA_CONFIG = 6;
@@ -72,8 +75,8 @@ static ConfigInfo config_info(int id) {
     case ID: return ConfigInfo{MB, MT, WN, WK, 0};
         KBIT_CONFIG_TABLE(KBIT_INFO)
 #undef KBIT_INFO
-#define KBIT_SHARED_A_INFO(ID, MB, MT, CTAS)                                                                         \
-    case ID: return ConfigInfo{MB, MT, 8, 1, CTAS};
+#define KBIT_SHARED_A_INFO(ID, MB, MT, CTAS, WK)                                                                     \
+    case ID: return ConfigInfo{MB, MT, 8 / (WK), WK, CTAS};
         KBIT_SHARED_A_TABLE(KBIT_SHARED_A_INFO)
 #undef KBIT_SHARED_A_INFO
 #define KBIT_WGMMA_INFO(ID, TOK, MT, WARPS)                                                                          \
@@ -119,7 +122,7 @@ static bool wgmma_available() {
 }
 static bool config_available(int id) {
     if (id < 0 || id >= NUM_CONFIGS) return false;
-    if (id >= FIRST_WGMMA_CONFIG) return wgmma_available();
+    if (id == FIRST_WGMMA_CONFIG || id == WS_CONFIG) return wgmma_available();
     if (id == WIDE_CONFIG) return device_smem_optin() >= 226 * 1024;
     return true;
 }
@@ -174,6 +177,20 @@ constexpr int MIN_STEPS_PER_WARP = 1;            // a warp streams at least 1 k-
 // k=4 10.5 -> 9.4, k=5 12.5 -> 11.6; M=8 alike
 constexpr int MIN_STEPS_PER_REG_WEIGHT_CTA = 4;
 constexpr int MAX_SPLITS = 16;
+// Configs 2 and 3 with two warps along k (configs 8, 9: 128-row CTA tiles, each warp a contiguous half of the CTA's
+// k-steps, summed in shared memory) where split-K weighs most: their plan has >= 8 splits of < 8 k-steps each.
+// H100, us, forced, paths interleaved (dev/probe_paths.py), k = 2 / 3 / 4 / 5, config 2 -> 8 at M = 1, 3 -> 9 at 16:
+//   4096 x 14336 (16 splits of 7): M=1 13.3 / 15.5 / 17.8 / 21.2 -> 12.7 / 15.1 / 17.1 / 20.6;
+//                                  M=16 17.7 / 19.1 / 20.8 / 25.1 -> 17.2 / 18.9 / 20.4 / 24.6
+//   4096 x 4096 (8 of 4): M=1 7.1 / 7.7 / 8.3 / 9.4 -> 6.5 / 7.4 / 8.0 / 9.0; M=16 9.6 / 10.1 / 10.8 / 12.5 -> 9.0 /
+//                         9.6 / 10.3 / 11.2
+//   8192 x 8192 (8 of 8): M=1 13.1 / 15.5 / 17.8 / 21.8 -> 12.9 / 15.5 / 17.5 / 21.6, but M=16 17.4 / 19.9 / 21.2 /
+//                         25.1 -> 17.5 / 20.0 / 21.8 / 25.9
+//   slower with fewer or longer splits: 14336 x 4096 (4 of 8) M=1 12.5 / 14.6 / 16.3 / 20.0 -> 12.8 / 15.3 / 16.7 /
+//   20.5; 8192 x 28672 (8 of 28) M=16 42.0 / 47.9 / 52.8 / 64.1 -> 44.5 / 52.6 / 54.8 / 69.6; 28672 x 8192 (2 of 32)
+//   M=16 44.8 / 53.2 / 55.6 / 69.2 -> 46.9 / 56.1 / 57.4 / 74.2 (M=1 36.2 / 44.0 / 49.1 / 61.8 -> 35.3 / 44.0 / 48.6
+//   / 61.0). Four or eight warps along k were slower everywhere (docs/kernel.md).
+constexpr int WARPS_K_MIN_SPLITS = 8, WARPS_K_MAX_SPLIT_STEPS = 7;
 constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)
 // The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
 // (A counter region sized per call let one call's partial sums land where a later call with more
@@ -213,8 +230,8 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
     const long long target = (long long)c.ctas_per_sm() * (sm_count > 0 ? sm_count : 1);
     if (ctas >= target || ctas > MAX_SPLIT_CTAS) return 1;
     int splits = (int)(target / ctas); // floor: all CTAs resident in one wave (a second, partial wave costs ~2x)
-    const bool reg_weights = c.shared_a_ctas > 0 && c.mb <= 2 && c.warps_k == 1;
-    const int max_by_k = k_steps / (reg_weights ? MIN_STEPS_PER_REG_WEIGHT_CTA : c.warps_k * MIN_STEPS_PER_WARP);
+    const bool reg_weights = c.shared_a_ctas > 0 && c.mb <= 2; // configs 2, 3
+    const int max_by_k = k_steps / (c.warps_k * (reg_weights ? MIN_STEPS_PER_REG_WEIGHT_CTA : MIN_STEPS_PER_WARP));
     if (splits > max_by_k) splits = max_by_k;
     if (splits > MAX_SPLITS) splits = MAX_SPLITS;
     while (splits > 1 && workspace_bytes_for(c, M, N, splits) > MAX_WORKSPACE_BYTES + COUNTER_REGION_BYTES) splits--;
@@ -277,6 +294,11 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
     if (M > PER_WARP_MAX_M && M <= (k_bits == 5 ? SMALL_WEIGHT_MB2_MAX_M_K5 : SMALL_WEIGHT_MB2_MAX_M) &&
         units < SMALL_WEIGHT_MAX_UNITS_PER_SM * sms)
         config = FIRST_SHARED_A_CONFIG + 1; // 16-token tiles
+    if (config == FIRST_SHARED_A_CONFIG || config == FIRST_SHARED_A_CONFIG + 1) {
+        const int splits = choose_splits(config_info(config), M, N, K_dim, sm_count);
+        if (splits >= WARPS_K_MIN_SPLITS && ceil_div(k_steps, splits) <= WARPS_K_MAX_SPLIT_STEPS)
+            config += WARPS_K_CONFIG_OFFSET; // two warps along k: half the splits
+    }
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }
 
@@ -501,7 +523,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         d.config = config_override;
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
-    if (d.config >= FIRST_WGMMA_CONFIG && d.config != WS_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
+    if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
         d.config = WIDE_CONFIG;
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
@@ -540,8 +562,8 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     case ID: launch_gemm<KbitGemmConfig<K_BITS, MB, MT, WN, WK, ABS_U8>, T>(p, d.k_splits, stream); break;
         KBIT_CONFIG_TABLE(KBIT_LAUNCH)
 #undef KBIT_LAUNCH
-#define KBIT_LAUNCH_SHARED_A(ID, MB, MT, CTAS)                                                                       \
-    case ID: launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8>, T>(p, d.k_splits, stream); break;
+#define KBIT_LAUNCH_SHARED_A(ID, MB, MT, CTAS, WK)                                                                   \
+    case ID: launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WK>, T>(p, d.k_splits, stream); break;
         KBIT_SHARED_A_TABLE(KBIT_LAUNCH_SHARED_A)
 #undef KBIT_LAUNCH_SHARED_A
 #define KBIT_LAUNCH_WGMMA(ID, TOK, MT, WARPS)                                                                        \

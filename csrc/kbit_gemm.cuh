@@ -22,7 +22,10 @@
 //        CTAs: small weights at M <= 16, where 4x the CTAs of the shared-A tile keep the GPU busy
 //      shared-A (kbit_gemm_shared_a_kernel): 2..5 = MB 1, 2, 4, 8; MT = 2, 8 warps along n, 256-row CTAs,
 //        the A tile of a k-step staged once per CTA (section 4); MB 8 ("wide") takes the SM alone;
-//        MB 2 also serves M <= 128 (k = 5: 64) for small weights, which stay in L2 across token tiles
+//        MB 2 also serves M <= 128 (k = 5: 64) for small weights, which stay in L2 across token tiles;
+//        8, 9 = configs 2, 3 with WARPS_K = 2 (4 warps along n, 128-row CTAs, each k warp a contiguous half of
+//        the CTA's k-steps): twice the tiles, half the split-K splits, where many short splits make the
+//        reduction weigh (section 5)
 //      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
 //        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper
 //      warp-specialised wgmma (kbit_gemm_wgmma_ws_kernel, sm_90a, kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
@@ -82,7 +85,7 @@
 //    k=4 55.2 -> 52.9; M=1 1-2%. 6 slots (2 per barrier) and 8 (4 per barrier) were 0-2% slower than 4.
 //    Without any barrier (a timing-only build, racing on A) M=1/16 k=2 was 6% faster than per step.
 //
-// 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1)
+// 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1 but 8 and 9)
 //    k-steps of grid split s: [s*ks_per_split, ...); inside: WARPS_K contiguous chunks.
 //    Example K_pad = 4096 (32 k-steps), k_splits = 2, WARPS_K = 4: split 0 = steps 0..15, warp
 //    wk = 0..3 gets steps 4wk..4wk+3 of it. Epilogue: warps wk > 0 write fp32 partials to smem, warp
@@ -95,6 +98,10 @@
 //    counter to 0. The counters sit at the start of the workspace, which must be zeroed ONCE at
 //    allocation; one workspace must not be used by two GEMMs running concurrently (different streams).
 //    k_splits = floor(CTA slots / CTAs) (one wave), capped by k-steps and the workspace size.
+//    Configs 8, 9 (shared-A, WARPS_K = 2): the A slot of a CTA step holds the k-step of each k warp's chunk
+//    (k_begin + wk * chunk + i); where a split's k-steps are odd the second chunk is one shorter and its warp
+//    multiplies its stale weight registers by zero-filled A for that step (a branch around the compute instead
+//    cost 5-30%: ptxas then no longer overlapped consecutive steps).
 //
 // 6. Invariants: K_dim % 32 == 0, M, N >= 1, lda >= K_dim (launcher); tiled N padded to 16 and K to
 //    128 with zero absmax (repack); A beyond K_dim is zero-filled, A rows >= M and weight rows >= N
@@ -321,7 +328,7 @@ struct KbitGemmConfig {
     static constexpr int RING_WORDS_MIN = WARPS * STAGES * stage_words(0);
     static constexpr int ACC_FLOATS = MT * MB * 4; // per lane
     static constexpr int RED_WORDS = (WARPS_K - 1) * WARPS_N * ACC_FLOATS * 32;
-    static_assert(RED_WORDS <= RING_WORDS_MIN, "the k-reduction buffer aliases the ring");
+    static_assert(SHARED_A_ || RED_WORDS <= RING_WORDS_MIN, "the k-reduction buffer aliases the ring");
     static constexpr int TILE_FLOATS = WARPS_N * ACC_FLOATS * 32; // workspace slot per CTA tile
     static constexpr int MIN_CTAS_PER_SM = CTAS_PER_SM;            // caps registers (128 for 8-warp CTAs)
     static_assert(TILE_FLOATS == TILE_M * TILE_N, "a slot holds exactly one C tile");
@@ -977,6 +984,36 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
     return true;
 }
 
+// k-reduction across the WARPS_K warps of a CTA into warp wk = 0, in wk order. s_red: [WARPS_K-1][WARPS_N]
+// [ACC_FLOATS][32] floats of shared memory that no thread reads or writes any more (the caller's barrier)
+template <class Cfg>
+__device__ __forceinline__ void reduce_warps_k(float (&acc)[Cfg::MT][Cfg::MB][4], float* s_red, int wn, int wk,
+                                               int lane) {
+    if constexpr (Cfg::WARPS_K > 1) {
+        if (wk > 0) {
+            float* dst = s_red + ((wk - 1) * Cfg::WARPS_N + wn) * Cfg::ACC_FLOATS * 32;
+#pragma unroll
+            for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+                for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) dst[((mt * Cfg::MB + mb) * 4 + r) * 32 + lane] = acc[mt][mb][r];
+        }
+        __syncthreads();
+        if (wk == 0) {
+            for (int w = 1; w < Cfg::WARPS_K; w++) {
+                const float* src = s_red + ((w - 1) * Cfg::WARPS_N + wn) * Cfg::ACC_FLOATS * 32;
+#pragma unroll
+                for (int mt = 0; mt < Cfg::MT; mt++)
+#pragma unroll
+                    for (int mb = 0; mb < Cfg::MB; mb++)
+#pragma unroll
+                        for (int r = 0; r < 4; r++) acc[mt][mb][r] += src[((mt * Cfg::MB + mb) * 4 + r) * 32 + lane];
+            }
+        }
+    }
+}
+
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
@@ -1053,31 +1090,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
     cp_async_wait<0>();
     __syncthreads(); // ring free: reuse it for the k-reduction
 
-    // k-reduction across the WARPS_K warps of the CTA, in wk order
-    float* s_red = reinterpret_cast<float*>(s_ring_ptr); // [WARPS_K-1][WARPS_N][ACC_FLOATS][32]
-    if (Cfg::WARPS_K > 1) {
-        if (wk > 0) {
-            float* dst = s_red + ((wk - 1) * Cfg::WARPS_N + wn) * Cfg::ACC_FLOATS * 32;
-#pragma unroll
-            for (int mt = 0; mt < Cfg::MT; mt++)
-#pragma unroll
-                for (int mb = 0; mb < Cfg::MB; mb++)
-#pragma unroll
-                    for (int r = 0; r < 4; r++) dst[((mt * Cfg::MB + mb) * 4 + r) * 32 + lane] = acc[mt][mb][r];
-        }
-        __syncthreads();
-        if (wk == 0) {
-            for (int w = 1; w < Cfg::WARPS_K; w++) {
-                const float* src = s_red + ((w - 1) * Cfg::WARPS_N + wn) * Cfg::ACC_FLOATS * 32;
-#pragma unroll
-                for (int mt = 0; mt < Cfg::MT; mt++)
-#pragma unroll
-                    for (int mb = 0; mb < Cfg::MB; mb++)
-#pragma unroll
-                        for (int r = 0; r < 4; r++) acc[mt][mb][r] += src[((mt * Cfg::MB + mb) * 4 + r) * 32 + lane];
-            }
-        }
-    }
+    // k-reduction across the WARPS_K warps of the CTA, in wk order (the ring is free: reuse it)
+    reduce_warps_k<Cfg>(acc, reinterpret_cast<float*>(s_ring_ptr), wn, wk, lane);
     const int n_base_warp = n16_base * UNIT_ROWS;
     if (p.k_splits > 1) {
         const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
@@ -1112,10 +1126,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 #ifndef KBIT_A_STAGES_REG // register-weight configs: k-steps of A in the shared ring (a multiple of the above, >= 2x)
 #define KBIT_A_STAGES_REG 4
 #endif
-template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_>
-struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true> {
-    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true>;
-    static constexpr int A_ROW_BYTES = 2 * UNIT_K + 64; // 256 + 64 pad: 8 rows of a phase hit distinct banks
+template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_, int WARPS_K_ = 1>
+struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8 / WARPS_K_, WARPS_K_, ABS_U8_, true> {
+    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, 8 / WARPS_K_, WARPS_K_, ABS_U8_, true>;
+    static_assert(WARPS_K_ == 1 || WARPS_K_ == 2 || WARPS_K_ == 4 || WARPS_K_ == 8, "8 warps = WARPS_N x WARPS_K");
+    // With WARPS_K > 1 the CTA's k-steps are cut into WARPS_K contiguous chunks (one per warp along k, so each warp
+    // streams its weight rows in order); a "CTA step" is step i of every chunk: an A slot holds WARPS_K k-steps
+    static constexpr int A_STEP_K = UNIT_K * WARPS_K_;
+    static constexpr int A_ROW_BYTES = 2 * A_STEP_K + 64; // + 64 pad: 8 rows of a phase hit distinct banks
     static constexpr int A_STAGE_WORDS = Base::TILE_M * A_ROW_BYTES / 4;
     static constexpr int W_STAGE_WORDS = Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS; // per warp
     // W_REG_STAGES > 0: the weights skip shared memory; each lane loads its own words (ld.global.nc) into a
@@ -1124,16 +1142,20 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true
                                         : MB_ == 2 ? KBIT_W_REG_STAGES_MB2
                                         : MB_ == 4 ? KBIT_W_REG_STAGES_MB4
                                                    : 0;
+    static_assert(WARPS_K_ == 1 || W_REG_STAGES > 0, "warps along k only with the weights in registers");
     static constexpr int W_SMEM_STAGE_WORDS = W_REG_STAGES > 0 ? 0 : W_STAGE_WORDS;
     static constexpr int SHARED_A_CTAS_PER_SM = CTAS_PER_SM_;
     static_assert(CTAS_PER_SM_ == 1 || CTAS_PER_SM_ == 2, "one CTA per SM (226 KB, sm_90) or two (112 KB)");
     static constexpr int SHARED_A_BUDGET_BYTES = CTAS_PER_SM_ == 1 ? 226 * 1024 : 112 * 1024;
     static constexpr int SHARED_A_STAGES_FIT =
         (SHARED_A_BUDGET_BYTES / 4 - Base::LUT_WORDS) / (A_STAGE_WORDS + Base::WARPS * W_SMEM_STAGE_WORDS);
-    // the register-weight configs refill A P k-steps at a time, one barrier per P steps (section 4)
-    static constexpr int A_STEPS_PER_BARRIER = W_REG_STAGES > 0 ? KBIT_A_STEPS_PER_BARRIER : 1;
+    // the register-weight configs refill A P CTA steps at a time, one barrier per P steps (section 4), where
+    // two refills fit (wide A slots of WARPS_K k-steps may not: then a barrier per step)
+    static constexpr int A_STEPS_PER_BARRIER =
+        W_REG_STAGES > 0 && SHARED_A_STAGES_FIT >= 2 * KBIT_A_STEPS_PER_BARRIER ? KBIT_A_STEPS_PER_BARRIER : 1;
     static constexpr int STAGES_CAP = W_REG_STAGES > 0 ? KBIT_A_STAGES_REG : 4;
-    static constexpr int SHARED_A_STAGES = SHARED_A_STAGES_FIT > STAGES_CAP ? STAGES_CAP : SHARED_A_STAGES_FIT;
+    static constexpr int SHARED_A_STAGES =
+        (SHARED_A_STAGES_FIT > STAGES_CAP ? STAGES_CAP : SHARED_A_STAGES_FIT) / A_STEPS_PER_BARRIER * A_STEPS_PER_BARRIER;
     static_assert(SHARED_A_STAGES % A_STEPS_PER_BARRIER == 0 && SHARED_A_STAGES >= 2 * A_STEPS_PER_BARRIER,
                   "the A ring holds whole refills, two or more");
     // 2 stages still overlap (the barrier of step i frees the slot of step i-1 for step i+1) but keep one
@@ -1141,23 +1163,28 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8, 1, ABS_U8_, true
     static_assert(SHARED_A_STAGES >= 2, "the shared ring needs >= 2 stages (one barrier per k-step)");
     static constexpr int SHARED_A_SMEM_BYTES =
         4 * (Base::LUT_WORDS + SHARED_A_STAGES * (A_STAGE_WORDS + Base::WARPS * W_SMEM_STAGE_WORDS));
-    static constexpr int A_CHUNKS = Base::TILE_M * (UNIT_K / 8); // 16-byte chunks of one A stage
+    static_assert(Base::RED_WORDS <= SHARED_A_STAGES * A_STAGE_WORDS, "the k-reduction buffer aliases the A ring");
+    static constexpr int A_CHUNKS = Base::TILE_M * (A_STEP_K / 8); // 16-byte chunks of one A stage
     static constexpr int A_CHUNKS_PER_THREAD = (A_CHUNKS + Base::THREADS - 1) / Base::THREADS;
     static_assert(A_CHUNKS % Base::THREADS == 0 || A_CHUNKS < Base::THREADS, "A tile chunks spread evenly");
 };
 
-// cooperative copy of the A tile [TILE_M tokens][128 k] of one k-step into the shared ring
+// cooperative copy of the A tile [TILE_M tokens][A_STEP_K k] of one CTA step into the shared ring: k-step
+// kstep + wk * chunk_steps for each warp wk along k, zero past k_end (the split's end: the last chunk may be
+// shorter, and its warp multiplies whatever its weight registers hold by these zeros)
 template <class Cfg>
-__device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemmParams& p, int m_base, int kstep) {
+__device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemmParams& p, int m_base, int kstep,
+                                                    int chunk_steps = 0, int k_end = 0) {
     const unsigned short* g_A = reinterpret_cast<const unsigned short*>(p.A);
 #pragma unroll
     for (int j = 0; j < Cfg::A_CHUNKS_PER_THREAD; j++) {
         const int c = threadIdx.x + j * Cfg::THREADS;
         if (Cfg::A_CHUNKS < Cfg::THREADS && c >= Cfg::A_CHUNKS) break; // MB = 1: half the threads copy
-        const int row = c / (UNIT_K / 8), piece = c % (UNIT_K / 8);
-        const int m = m_base + row, k = kstep * UNIT_K + piece * 8;
+        const int row = c / (Cfg::A_STEP_K / 8), piece = c % (Cfg::A_STEP_K / 8);
+        const int seg = Cfg::WARPS_K == 1 ? 0 : piece / (UNIT_K / 8); // the warp along k that reads it
+        const int m = m_base + row, k = (kstep + seg * chunk_steps) * UNIT_K + (piece % (UNIT_K / 8)) * 8;
         if (m >= p.M) continue;                  // rows >= M are never read (compute clamps to the last row)
-        const bool ok = k < p.K_dim;             // zero fill: padded k must be 0
+        const bool ok = k < p.K_dim && (Cfg::WARPS_K == 1 || k < k_end * UNIT_K); // zero fill: padded k must be 0
         const unsigned short* src = ok ? g_A + (long long)m * p.lda + k : g_A;
         const uint32_t s_dst = s_a + row * Cfg::A_ROW_BYTES + piece * 16;
         if (p.a_vec_ok) {
@@ -1271,21 +1298,25 @@ __device__ __forceinline__ void shared_a_loop_smem_ring(float (&acc)[Cfg::MT][Cf
 
 // the k-loop with the weights in registers (W_REG_STAGES = D): the loads of step i+D are issued right
 // after step i's compute, into the registers it just used, so D k-steps of weights are in flight per
-// lane; A still travels through the smem ring (S-1 steps ahead, one barrier per step). The loop is
-// unrolled by D so every ring slot is a fixed set of registers.
+// lane; A still travels through the smem ring (S-1 steps ahead, one barrier per P steps). The loop is
+// unrolled by D so every ring slot is a fixed set of registers. Steps are CTA steps (step i of each of the
+// WARPS_K chunks of n_steps k-steps from k_begin to k_end, one per warp along k); this warp's chunk has
+// my_steps of them (fewer in the last chunk of a split): past them it loads no weights and computes on zero A
+// (no branch around the compute: one cost ptxas the overlap of consecutive steps).
 template <class Cfg, typename T>
 __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
-                                                          StreamCursor<Cfg>& cur, int k_begin, int n_steps, int m_base,
-                                                          uint32_t s_a_ring, const uint32_t (&a_off)[Cfg::MB],
-                                                          uint32_t* s_lut_ptr, float cb_entry, uint32_t lane_off,
-                                                          int lane) {
+                                                          StreamCursor<Cfg>& cur, int k_begin, int k_end,
+                                                          int n_steps, int my_steps, int m_base, uint32_t s_a_ring,
+                                                          const uint32_t (&a_off)[Cfg::MB], uint32_t* s_lut_ptr,
+                                                          float cb_entry, uint32_t lane_off, int lane) {
     constexpr int S = Cfg::SHARED_A_STAGES;
     constexpr int D = Cfg::W_REG_STAGES;
     const uint32_t s_lut = (uint32_t)__cvta_generic_to_shared(s_lut_ptr);
     constexpr int P = Cfg::A_STEPS_PER_BARRIER; // A arrives in refills of P k-steps, one commit group each
     const auto prefill_a = [&] {
         for (int st = 0; st < S - P; st++) {
-            if (st < n_steps) load_a_shared_async<Cfg>(s_a_ring + 4 * st * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st);
+            if (st < n_steps)
+                load_a_shared_async<Cfg>(s_a_ring + 4 * st * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st, n_steps, k_end);
             if (st % P == P - 1) cp_async_commit();
         }
     };
@@ -1296,7 +1327,7 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
     StepWeightRegs<Cfg> ring[D] = {}; // zeroed: slots of absent units (rows >= N) are never loaded
 #pragma unroll
     for (int d = 0; d < D; d++)
-        if (d < n_steps) {
+        if (d < my_steps) {
             load_units_to_regs<Cfg>(ring[d], cur, lane);
             cur.advance();
         }
@@ -1315,7 +1346,8 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
                 for (int q = 0; q < P; q++) { // steps i+S-P .. i+S-1 into the slots of i-P .. i-1
                     const int st = i + S - P + q;
                     if (st < n_steps)
-                        load_a_shared_async<Cfg>(s_a_ring + 4 * (st % S) * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st);
+                        load_a_shared_async<Cfg>(s_a_ring + 4 * (st % S) * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st,
+                                                 n_steps, k_end);
                 }
                 cp_async_commit();
             }
@@ -1324,7 +1356,7 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
                                            a_off, s_lut, lane_off);
 #endif
 #ifndef KBIT_PROBE_NO_LOADS
-            if (i + D < n_steps) {
+            if (i + D < my_steps) {
                 load_units_to_regs<Cfg>(ring[d], cur, lane);
                 cur.advance();
             }
@@ -1343,31 +1375,40 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // this warp's weight ring [S][W_STAGE_WORDS] (none when the weights travel in registers)
     const uint32_t s_w_ring = s_a_ring + 4 * S * Cfg::A_STAGE_WORDS + 4 * warp * S * Cfg::W_SMEM_STAGE_WORDS;
-    const int n16_base = (blockIdx.x * Cfg::WARPS_N + warp) * Cfg::MT;
+    const int wn = Cfg::WARPS_K == 1 ? warp : warp % Cfg::WARPS_N, wk = Cfg::WARPS_K == 1 ? 0 : warp / Cfg::WARPS_N;
+    const int n16_base = (blockIdx.x * Cfg::WARPS_N + wn) * Cfg::MT;
     const int m_base = blockIdx.z * Cfg::TILE_M;
     __shared__ int s_flag;
-    // k-steps of this split (blockIdx.y); the whole CTA walks the same k-steps
+    // k-steps of this split (blockIdx.y), cut into WARPS_K chunks of n_steps (warp wk: chunk wk, my_steps of
+    // them); the whole CTA walks the same n_steps CTA steps
+    constexpr int WK = Cfg::WARPS_K;
     const int k_begin = blockIdx.y * p.ks_per_split;
-    const int n_steps = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
+    const int split_len = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
+    const int n_steps = WK == 1 ? split_len : (split_len + WK - 1) / WK;
+    const int my_steps = WK == 1 ? n_steps : min(max(split_len - wk * n_steps, 0), n_steps);
     const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
     uint32_t a_off[Cfg::MB];
     const int a_last_row = min(p.M - m_base, Cfg::TILE_M) - 1;
 #pragma unroll
     for (int mb = 0; mb < Cfg::MB; mb++)
-        a_off[mb] = min(mb * 8 + lane / 4, a_last_row) * Cfg::A_ROW_BYTES + (lane % 4) * 16;
+        a_off[mb] = min(mb * 8 + lane / 4, a_last_row) * Cfg::A_ROW_BYTES + wk * 2 * UNIT_K + (lane % 4) * 16;
 
     float acc[Cfg::MT][Cfg::MB][4];
     zero_acc<Cfg>(acc);
 
     StreamCursor<Cfg> cur;
-    cur.init(p, n16_base, m_base, k_begin, lane);
+    cur.init(p, n16_base, m_base, k_begin + wk * n_steps, lane);
     if constexpr (Cfg::W_REG_STAGES > 0)
-        shared_a_loop_weight_regs<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, a_off, s_lut_ptr, cb_entry,
-                                          lane_off, lane);
+        shared_a_loop_weight_regs<Cfg, T>(acc, p, cur, k_begin, k_begin + split_len, n_steps, my_steps, m_base, s_a_ring,
+                                          a_off, s_lut_ptr, cb_entry, lane_off, lane);
     else
         shared_a_loop_smem_ring<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, s_w_ring, a_off, s_lut_ptr,
                                         cb_entry, lane_off, lane);
     cp_async_wait<0>();
+    if constexpr (WK > 1) { // the A ring is free once every warp is past its last step: sum the k warps there
+        __syncthreads();
+        reduce_warps_k<Cfg>(acc, reinterpret_cast<float*>(s_mem + Cfg::LUT_WORDS), wn, wk, lane);
+    }
 #ifdef KBIT_PROBE_NO_SPLITK_REDUCE // timing probe only: every split stores its partial as C (wrong values)
     if (false) {
 #else
@@ -1375,9 +1416,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
 #endif
         __syncthreads();
         const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
-        if (!reduce_split_k<Cfg>(acc, p, tile_id, warp, true, lane, &s_flag)) return;
+        if (!reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag)) return;
     }
-    store_output<Cfg, T>(acc, p, n16_base * UNIT_ROWS, m_base, lane);
+    if (wk == 0) store_output<Cfg, T>(acc, p, n16_base * UNIT_ROWS, m_base, lane);
 }
 
 } // namespace kbit
