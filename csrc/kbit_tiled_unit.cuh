@@ -2,9 +2,10 @@
 //
 // A unit is 16 rows n x 128 k of the tiled weight (kbit_gemm.cuh, TiledFormat). Lane (g, t) of a
 // warp reading a unit holds rows g and g + 8 x k 8t .. 8t + 7 of each of its 4 blocks: 32 pairs of
-// consecutive elements. A pair's 2*K_BITS index bits are one LUT index; the LUT holds
-// {codebook[i0], codebook[i1]} in the compute dtype, so a pair costs one shift/mask (two for odd
-// K_BITS), one shared load and one HMUL2 by the block scale.
+// consecutive elements. A pair's 2*K_BITS index bits are one LUT index, one contiguous field of the
+// lane's words; the LUT holds {codebook[i0], codebook[i1]} in the compute dtype, so a pair costs one
+// shift/mask (an OR more where an odd-K_BITS field straddles two words), one shared load and one HMUL2
+// by the block scale.
 //
 // Used by kbit_dequant_tiled_kernel, which writes rows of the weight in fp16/bf16 for the large-M
 // path (dequantize a chunk, multiply with cuBLAS; see backends/cuda/ops.py).
