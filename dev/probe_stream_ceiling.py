@@ -39,14 +39,13 @@ def main():
             rs = [torch.rand(n_r, device="cuda") for _ in range(rot)]
             outs = [torch.empty((), device="cuda") for _ in range(rot)]
             paths = {
-                "read+write": (lambda i: torch.add(xs[i], 1.0, out=ys[i]), rot),
-                "read (sum)": (lambda i: torch.sum(rs[i], dim=0, out=outs[i]), rot),
+                "read+write": (lambda i, xs=xs, ys=ys: torch.add(xs[i], 1.0, out=ys[i]), rot),
+                "read (sum)": (lambda i, rs=rs, outs=outs: torch.sum(rs[i], dim=0, out=outs[i]), rot),
                 "1 element": (lambda i: tiny.add_(1.0), 64),  # 64 launches per graph, as the others' rotations
             }
             t = median_us_graphs_interleaved(paths, rounds=args.rounds, iters=4)
             cells = "  ".join(f"{name} {us:6.1f} us ({floor / us:5.1%})" for name, us in t.items())
             print(f"{shape:>11} k={k} {nbytes / 1e6:6.1f} MB floor {floor:6.1f} us | {cells}", flush=True)
-            del xs, ys, rs
 
 
 if __name__ == "__main__":
