@@ -238,8 +238,8 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
     return splits < 1 ? 1 : splits;
 }
 
-// Config 7 (warp-specialised, 128 rows x 256 tokens) from WS_MIN_M tokens up to WS_MAX_M, when its tiles fill at
-// least 3/4 of the SMs (it has no split-K). H200, k = 4, us, config 7 vs what ran before (config 6 up to 256
+// Config 7 (warp-specialised, 128 rows x 256 tokens) from WS_MIN_M tokens up to WS_MAX_M, when its CTAs (tiles x
+// ws_splits) fill at least 3/4 of the SMs. Before it had split-K (the numbers below), only its tiles counted. H200, k = 4, us, config 7 vs what ran before (config 6 up to 256
 // tokens, the staged path above), cuBLAS fp16 in brackets (dev/probe_paths.py --configs 6 7 --staged):
 //   14336 x 4096  M=256 53.9 vs 94.8 (50.0), M=1024 219.9 vs 237.1 (188.6)
 //   28672 x 8192  M=256 214.6 vs 358.6 (211.2), M=1024 768.0 vs 921.3 (734.6)
@@ -262,11 +262,48 @@ constexpr int WS_MIN_M = 129;
 constexpr int WS_MAX_M = 2048;
 constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
 constexpr long long WS_LARGE_WEIGHT = 1LL << 27; // 134M elements: 28672 x 8192 and 8192 x 28672, not 8192 x 8192
+// Config 7 tiles of one launch (one chunk of M, ws_token_rows)
+static long long ws_tiles(int M, int N, int K_dim) {
+    const int rows = ws_token_rows(M, K_dim);
+    return (long long)ceil_div(N, 128) * ceil_div(M < rows ? M : rows, 256);
+}
+// Config 7 split along k where its tiles leave SMs idle: as many splits as fit one CTA per SM, each of at least
+// WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (128 KB
+// of fp32 each) through the workspace slots of kbit_gemm.cuh section 5. H100, k = 4, us, paths interleaved
+// (dev/probe_paths.py --configs 6 7 --staged), config 7 split vs config 6 / staged (cuBLAS fp16):
+//   8192 x 28672 M=256 (64 tiles x 2 splits of 112) 187.7 vs 322.5 (183.7)
+//   8192 x 8192  M=256 (64 x 2 of 32)               66.0 vs 97.9 (54.7)
+//   4096 x 14336 M=256 (32 x 4 of 28)               65.3 vs 90.1 (59.8); M=512 (64 x 2 of 56) 109.9 vs staged 141.6 (83.2)
+//   splits of 16 k-steps lose: 4096 x 4096 M=256 (32 x 4 of 8 / 2 of 16) 32.3 / 37.1 vs 28.8, M=512 (64 x 2 of 16)
+//   42.2 vs staged 38.9; 1024 x 4096 M=512-1024 (16-32 tiles) 30-38 vs staged 16-22. Hence at least 24 k-steps.
+#ifndef KBIT_WS_MIN_SPLIT_STEPS // dev/build_variant.sh
+#define KBIT_WS_MIN_SPLIT_STEPS 24
+#endif
+constexpr int WS_MIN_SPLIT_STEPS = KBIT_WS_MIN_SPLIT_STEPS;
+static size_t ws_partial_bytes(int M, int N, int K_dim, int k_splits) {
+    return k_splits > 1 ? (size_t)k_splits * ws_tiles(M, N, K_dim) * 256 * 128 * 4 : 0;
+}
+static int ws_splits(int M, int N, int K_dim, int sm_count) {
+    const long long tiles = ws_tiles(M, N, K_dim);
+    const int k_steps = ceil_div(K_dim, UNIT_K);
+    const long long sms = sm_count > 0 ? sm_count : 1;
+    if (tiles >= sms || tiles > MAX_SPLIT_CTAS) return 1;
+    long long splits = sms / tiles;
+    if (splits > k_steps / WS_MIN_SPLIT_STEPS) splits = k_steps / WS_MIN_SPLIT_STEPS;
+    if (splits > MAX_SPLITS) splits = MAX_SPLITS;
+    while (splits > 1 && ws_partial_bytes(M, N, K_dim, (int)splits) > MAX_WORKSPACE_BYTES) splits--;
+    if (splits <= 1) return 1;
+    return ceil_div(k_steps, ceil_div(k_steps, splits)); // the last split is never empty
+}
+// counters, the partial tiles (k_splits > 1), then the permuted tokens
+static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits) {
+    return COUNTER_REGION_BYTES + ws_partial_bytes(M, N, K_dim, k_splits) + ws_token_bytes(M, K_dim);
+}
 static bool ws_config_fits(int M, int N, int K_dim, int sm_count) {
     if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
     if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT) return false;
-    const long long tiles = (long long)ceil_div(N, 128) * ceil_div(M, 256);
-    return 4 * tiles >= 3LL * (sm_count > 0 ? sm_count : 1);
+    const long long ctas = ws_tiles(M, N, K_dim) * ws_splits(M, N, K_dim, sm_count);
+    return 4 * ctas >= 3LL * (sm_count > 0 ? sm_count : 1);
 }
 // The staged path (dequantize + cuBLAS, backends/cuda/ops.py) above 256 tokens, unless config 7 takes the call
 constexpr int FUSED_MAX_M = 256;
@@ -276,7 +313,7 @@ static bool staged_preferred(int M, int N, int K_dim, int sm_count) {
 
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1;
-    if (ws_config_fits(M, N, K_dim, sm_count)) return Dispatch{WS_CONFIG, 1};
+    if (ws_config_fits(M, N, K_dim, sm_count)) return Dispatch{WS_CONFIG, ws_splits(M, N, K_dim, sm_count)};
     const auto tiles = [&](int config) {
         const ConfigInfo c = config_info(config);
         return (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m());
@@ -463,19 +500,24 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
 // config 7 per chunk of M (ws_token_rows): permute the chunk's tokens into the workspace (after the counter
 // region, which stays zero), encode its tensor map, launch one CTA per (128-row, 256-token) tile, m tile fastest
 template <class Cfg, typename T>
-static void launch_wgmma_ws(KbitGemmParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, size_t workspace_bytes,
+                            cudaStream_t stream) {
     if (!wgmma_available()) {
         set_error("ckbit_gemm", "the wgmma configs need a compute capability 9.0 GPU and a library built for sm_90a");
         return;
     }
     static bool s_attr_set[64] = {};
-    if (!prepare_launch(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, 1, "wgmma-ws")) return;
+    if (!prepare_launch(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, k_splits, "wgmma-ws"))
+        return;
     const int rows_chunk = ws_token_rows(p.M, p.K_dim);
-    if (workspace == nullptr || workspace_bytes < COUNTER_REGION_BYTES + ws_token_bytes(p.M, p.K_dim)) {
+    if (workspace == nullptr || workspace_bytes < ws_workspace_bytes(p.M, p.N, p.K_dim, k_splits)) {
         set_error("ckbit_gemm", "config 7 needs a workspace of ckbit_gemm_workspace_bytes for its permuted tokens");
         return;
     }
-    uint32_t* A_perm = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES);
+    p.counters = reinterpret_cast<int*>(workspace);
+    p.partials = reinterpret_cast<float*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES);
+    uint32_t* A_perm = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES +
+                                                   ws_partial_bytes(p.M, p.N, p.K_dim, k_splits));
     const int vec_ok = p.a_vec_ok;
     for (int m0 = 0; m0 < p.M; m0 += rows_chunk) {
         const int rows = p.M - m0 < rows_chunk ? p.M - m0 : rows_chunk;
@@ -492,7 +534,7 @@ static void launch_wgmma_ws(KbitGemmParams& p, void* workspace, size_t workspace
         q.M = rows;
         q.A = A_perm;
         q.C = reinterpret_cast<char*>(p.C) + (long long)m0 * p.N * (long long)sizeof(T);
-        const int grid = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS) * ceil_div(rows, Cfg::TOK);
+        const dim3 grid(ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS) * ceil_div(rows, Cfg::TOK), k_splits);
         kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(q, map);
         if (!check_launch("ckbit_gemm wgmma-ws")) return;
     }
@@ -521,19 +563,24 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
             return;
         }
         d.config = config_override;
-        d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+        d.k_splits = d.config == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count)
+                                           : choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
         d.config = WIDE_CONFIG;
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
-    if (d.config == WS_CONFIG && (workspace == nullptr || workspace_bytes < COUNTER_REGION_BYTES + ws_token_bytes(M, K_dim))) {
-        d.config = FIRST_WGMMA_CONFIG; // no room for the permuted tokens (a workspace grown before, under graph capture)
-        d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+    if (d.config == WS_CONFIG) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
+        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, d.k_splits) > workspace_bytes) d.k_splits--;
+        if (workspace == nullptr || workspace_bytes < ws_workspace_bytes(M, N, K_dim, 1)) {
+            d.config = FIRST_WGMMA_CONFIG; // no room for the permuted tokens (a workspace grown before, under capture)
+            d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+        }
     }
     const ConfigInfo ci = config_info(d.config);
     // fall back to fewer splits (finally none) when the caller's workspace is too small
-    while (d.k_splits > 1 && workspace_bytes_for(ci, M, N, d.k_splits) > workspace_bytes) d.k_splits--;
+    while (d.config != WS_CONFIG && d.k_splits > 1 && workspace_bytes_for(ci, M, N, d.k_splits) > workspace_bytes)
+        d.k_splits--;
     if (d.k_splits > 1 && workspace == nullptr) d.k_splits = 1;
 
     KbitGemmParams p;
@@ -554,7 +601,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         p.partials = nullptr;
     }
     if (d.config == WS_CONFIG) {
-        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8>, T>(p, workspace, workspace_bytes, stream);
+        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8>, T>(p, d.k_splits, workspace, workspace_bytes, stream);
         return;
     }
     switch (d.config) {
@@ -580,9 +627,9 @@ static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count)
         const size_t b = workspace_bytes_for(config_info(c), M, N, choose_splits(config_info(c), M, N, K_dim, sm_count));
         if (b > worst) worst = b;
     }
-    // config 7's permuted tokens (wherever it can run)
-    if (wgmma_available() && COUNTER_REGION_BYTES + ws_token_bytes(M, K_dim) > worst)
-        worst = COUNTER_REGION_BYTES + ws_token_bytes(M, K_dim);
+    // config 7's partial tiles and permuted tokens (wherever it can run)
+    if (wgmma_available() && ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count)) > worst)
+        worst = ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count));
     (void)k_bits;
     return worst;
 }

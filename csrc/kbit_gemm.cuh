@@ -943,10 +943,15 @@ __device__ __forceinline__ void store_output(const float (&acc)[Cfg::MT][Cfg::MB
     }
 }
 
-// split-K across CTAs: write this split's slot; the last CTA of the tile sums all slots in order
-template <class Cfg>
+// split-K across CTAs: write this split's slot; the last CTA of the tile sums all slots in order.
+// `sync`: a barrier over every thread that calls this (__syncthreads; config 7: its consumer warps)
+struct CtaSync {
+    __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+template <class Cfg, class Sync = CtaSync>
 __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
-                                               int tile_id, int wn, bool is_writer, int lane, int* s_flag) {
+                                               int tile_id, int wn, bool is_writer, int lane, int* s_flag,
+                                               Sync sync = Sync()) {
     constexpr int F = Cfg::ACC_FLOATS;
     const long long slot_base = (long long)tile_id * p.k_splits * Cfg::TILE_FLOATS;
     const int split = blockIdx.y;
@@ -959,14 +964,14 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
 #pragma unroll
                 for (int r = 0; r < 4; r++) __stcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane, acc[mt][mb][r]);
     }
-    __syncthreads(); // the CTA's slot stores happen before thread 0's release below
+    sync(); // the CTA's slot stores happen before thread 0's release below
     if (threadIdx.x == 0) {
         const int prev = atomic_add_acq_rel_gpu(p.counters + tile_id, 1); // release our slot, acquire the others'
         const int last = prev == p.k_splits - 1;
         if (last) p.counters[tile_id] = 0; // self-reset for the next call (kernel boundaries order it)
         *s_flag = last;
     }
-    __syncthreads(); // thread 0's acquire happens before every thread's slot reads
+    sync(); // thread 0's acquire happens before every thread's slot reads
     if (!*s_flag) return false;
     if (is_writer) {
         zero_acc<Cfg>(acc);

@@ -30,8 +30,14 @@
 //           48  +------------------------------------+  warp 3 (WG 0)                   /  128 fp32 acc
 //           64  +------------------------------------+  warps 4..7 (WG 1): units + 4..7       per thread
 //          128  +------------------------------------+
-//    Each weight is dequantized once per 256 tokens (config 6: once per 64). Grid: one CTA per tile,
-//    m tile fastest (the m tiles of one weight tile run together and share it through L2). No split-K.
+//    Each weight is dequantized once per 256 tokens (config 6: once per 64). Grid: (tiles, k splits), m tile
+//    fastest (the m tiles of one weight tile run together and share it through L2). Where the tiles alone leave
+//    SMs idle (a deep weight at M = 256-512: 8192 x 28672 has 64 tiles at M = 256) the host splits the k-steps
+//    (kbit_gemm.cu, ws_splits: whole SMs, >= 24 k-steps per split); split y runs k-steps [y * ks_per_split, ..)
+//    and its consumer warps sum the tile through the workspace slots of kbit_gemm.cuh section 5 (the last of
+//    the tile's CTAs adds the slots in split order, a barrier among the 256 consumer threads in place of
+//    __syncthreads: the producer warps have returned). H100, k = 4, 8192 x 28672 M = 256: 322.5 us in config 6,
+//    187.7 in config 7 with 2 splits (cuBLAS fp16 183.7).
 //
 // 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES token half-steps (k 64 wide, 32 KB each,
 //    1024-aligned for the swizzle), W_STAGES weight k-steps (8 units' words + absmax, as stored in
@@ -243,16 +249,16 @@ template <class Cfg> struct WsSmem {
 
 template <class Cfg>
 __device__ __forceinline__ void ws_producer(const KbitGemmParams& p, const CUtensorMap* tmap, const WsSmem<Cfg>& sm,
-                                            int n16_base, int m_base, int lane) {
+                                            int n16_base, int m_base, int k_begin, int n_steps, int lane) {
     // lanes 0-7 copy the words of unit n16_base + lane, lanes 8-15 its absmax (units past N: the last one,
     // whose rows are never stored)
     const int u = lane % Cfg::CONSUMER_WARPS;
     const long long unit0 = (long long)min(n16_base + u, p.n16_tiles - 1) * p.k_steps;
-    const char* g_src = lane < 8 ? reinterpret_cast<const char*>(p.B) + unit0 * Cfg::UNIT_BYTES
-                                 : reinterpret_cast<const char*>(p.B_absmax) + unit0 * Cfg::ABS_UNIT_BYTES;
     const int src_step = lane < 8 ? Cfg::UNIT_BYTES : Cfg::ABS_UNIT_BYTES;
+    const char* g_src = (lane < 8 ? reinterpret_cast<const char*>(p.B) : reinterpret_cast<const char*>(p.B_absmax)) +
+                        (unit0 + k_begin) * src_step;
     const uint32_t dst_off = lane < 8 ? u * Cfg::UNIT_BYTES : Cfg::CONSUMER_WARPS * Cfg::UNIT_BYTES + u * Cfg::ABS_UNIT_BYTES;
-    for (int i = 0; i < p.k_steps; i++) {
+    for (int i = 0; i < n_steps; i++) { // slot indices count this split's steps, global k = k_begin + i
         const int ws = i % Cfg::W_STAGES;
         if (lane == 0) {
             mbar_wait(sm.w_empty(ws), ((i / Cfg::W_STAGES) & 1) ^ 1);
@@ -266,7 +272,7 @@ __device__ __forceinline__ void ws_producer(const KbitGemmParams& p, const CUten
                 const int j = 2 * i + h, ts = j % Cfg::TOK_STAGES;
                 mbar_wait(sm.t_empty(ts), ((j / Cfg::TOK_STAGES) & 1) ^ 1);
                 mbar_arrive_expect_tx(sm.t_full(ts), Cfg::TOK_HALF_BYTES);
-                tma_load_2d(sm.tok_slot(ts), tmap, i * UNIT_K + h * Cfg::HALF_K, m_base, sm.t_full(ts));
+                tma_load_2d(sm.tok_slot(ts), tmap, (k_begin + i) * UNIT_K + h * Cfg::HALF_K, m_base, sm.t_full(ts));
             }
         }
         __syncwarp();
@@ -376,6 +382,9 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     const int m_tiles = (p.M + Cfg::TOK - 1) / Cfg::TOK;
     const int m_base = (blockIdx.x % m_tiles) * Cfg::TOK;
     const int n16_cta = (blockIdx.x / m_tiles) * Cfg::CONSUMER_WARPS;
+    // split blockIdx.y of the k-steps (section 2); the host plans no empty split (ws_splits)
+    const int k_begin = blockIdx.y * p.ks_per_split;
+    const int n_steps = min(p.ks_per_split, p.k_steps - k_begin);
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < Cfg::TOK_STAGES; s++) {
@@ -392,7 +401,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
 
     if (warp >= Cfg::CONSUMER_WARPS) {
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
-        if (warp == Cfg::CONSUMER_WARPS) ws_producer<Cfg>(p, &tmap, sm, n16_cta, m_base, lane);
+        if (warp == Cfg::CONSUMER_WARPS) ws_producer<Cfg>(p, &tmap, sm, n16_cta, m_base, k_begin, n_steps, lane);
         return;
     }
     KBIT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::CONSUMER_REGS));
@@ -407,13 +416,19 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     // two register sets for the weights, k-steps alternate between them (the loop is unrolled by 2: no copies)
     uint32_t r_w[2][Cfg::Fmt::LANE_WORDS], r_abs[2][Cfg::ABS_BYTES_PER_LANE / 4];
     ws_fetch_unit<Cfg>(r_w[0], r_abs[0], raw, sm, 0, lane_off, warp, lane);
-    for (int i = 0; i < p.k_steps; i += 2) {
-        ws_step<Cfg, T>(acc, frag, raw, r_w[0], r_abs[0], r_w[1], r_abs[1], sm, i, p.k_steps, lane_off, warp, lane);
-        if (i + 1 < p.k_steps)
-            ws_step<Cfg, T>(acc, frag, raw, r_w[1], r_abs[1], r_w[0], r_abs[0], sm, i + 1, p.k_steps, lane_off, warp, lane);
+    for (int i = 0; i < n_steps; i += 2) {
+        ws_step<Cfg, T>(acc, frag, raw, r_w[0], r_abs[0], r_w[1], r_abs[1], sm, i, n_steps, lane_off, warp, lane);
+        if (i + 1 < n_steps)
+            ws_step<Cfg, T>(acc, frag, raw, r_w[1], r_abs[1], r_w[0], r_abs[0], sm, i + 1, n_steps, lane_off, warp, lane);
     }
     wgmma_wait<0>();
-    store_output<Cfg, T>(reinterpret_cast<const float(&)[1][32][4]>(acc), p, (n16_cta + warp) * UNIT_ROWS, m_base, lane);
+    float(&acc_tile)[1][32][4] = reinterpret_cast<float(&)[1][32][4]>(acc); // = the m16n8 fragments of 32 token tiles
+    if (p.k_splits > 1) { // the workspace slots of kbit_gemm.cuh section 5, among the consumer warps only
+        __shared__ int s_flag;
+        const auto consumers_sync = [] { named_barrier_sync(1, Cfg::CONSUMER_THREADS); };
+        if (!reduce_split_k<Cfg>(acc_tile, p, blockIdx.x, warp, true, lane, &s_flag, consumers_sync)) return;
+    }
+    store_output<Cfg, T>(acc_tile, p, (n16_cta + warp) * UNIT_ROWS, m_base, lane);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -333,6 +333,20 @@ def test_cuda_gemm_warp_specialised_chunks_and_graph():
 
 
 @pytest.mark.cuda
+@requires_hopper
+@pytest.mark.parametrize("k", KS)
+def test_cuda_gemm_warp_specialised_split_k(k):
+    """Config 7 split along k where its tiles leave SMs idle: uneven splits (49 k-steps in 25 + 24), splits in
+    every permuted-token chunk (planned for 1000 SMs: 3 splits of 38, 38, 36 k-steps per chunk, the last
+    chunk 8 tiles), bias and bf16; the dispatcher's own choice (a deep weight at M = 256) twice in a row
+    gives the same bits (the tile counters reset themselves, the slots are summed in split order)."""
+    run_case(300, 1000, 6272, k, torch.bfloat16, bias=True, config=7)
+    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=1000)
+    out = run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0)
+    assert torch.equal(out, run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0))
+
+
+@pytest.mark.cuda
 def test_cuda_gemm_opcheck_compile_and_errors():
     N, K_dim, k = 1000, 576, 5
     packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
