@@ -9,10 +9,10 @@
 //    runs at ~0.55x cuBLAS for M >= 256: every warp copies its own weights and 4-byte token words with
 //    cp.async, waits for them and meets the others at a CTA barrier per k-step, so the tensor pipe waits
 //    on the latency of the copy bookkeeping and the barrier. Here the copies leave the compute warps:
-//      - one PRODUCER warp issues, per k-step, 8 bulk copies of the CTA's weight units (16 rows x 128 k
-//        each, contiguous in the tiled layout) + 8 of their absmax, and 2 TMA tile loads of the tokens
+//      - two PRODUCER warps: one issues, per k-step, 8 bulk copies of the CTA's weight units (16 rows x 128 k
+//        each, contiguous in the tiled layout) + 8 of their absmax, the other 2 TMA tile loads of the tokens
 //        (256 rows x 64 k, 128-byte swizzle: exactly the K-major layout wgmma reads), each completing on
-//        an mbarrier ("full"); it refills a slot when the consumers have released it ("empty").
+//        an mbarrier ("full"); each refills a slot of its ring when the consumers have released it ("empty").
 //      - 8 CONSUMER warps (2 warpgroups) only wait on "full", dequantize (the pair/quad LUT of
 //        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
 //        in the main loop.
@@ -41,8 +41,8 @@
 //
 // 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES token half-steps (k 64 wide, 32 KB each,
 //    1024-aligned for the swizzle), W_STAGES weight k-steps (8 units' words + absmax, as stored in
-//    global), and 2 mbarriers per slot. Per k-step i the producer fills weight slot i % W_STAGES and
-//    token slots (2i, 2i + 1) % TOK_STAGES.
+//    global), and 2 mbarriers per slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
+//    token producer token slots (2i, 2i + 1) % TOK_STAGES.
 //
 // 4. Consumer loop per k-step: wait w_full, load this warp's unit (LDS) and release the weight slot
 //    (one arrive per warp), look up block 0; per block b: look up block b + 1, wgmma.wait_group 1 (the
@@ -52,7 +52,7 @@
 //    already waits for the next k-step's weights, loads its unit into the other of two register sets (the
 //    loop is unrolled by 2) and looks up its block 0, so that chain runs under the tensor work.
 //
-// 5. Registers: 3 warpgroups (the producer's has one working warp) so that setmaxnreg can give the consumers
+// 5. Registers: 3 warpgroups (the producers' has two working warps) so that setmaxnreg can give the consumers
 //    232 registers and the producers 40. With one producer warp (288 threads, 224 registers each) ptxas
 //    serialized every wgmma (C7512, "insufficient register resources") although the kernel used 168; the
 //    accumulators are first written by the tile's first wgmma (scale-d = 0), because zeroing them with
@@ -67,6 +67,13 @@
 //      (faster than cuBLAS, 2991.1), without the wgmmas 2014.4; 14336 x 4096 M=1024: 230.3 / 201.8 / 162.7. The
 //      LUT dequant in the consumer warps costs ~15%: with two consumer warps per scheduler its latency is not
 //      hidden behind the wgmmas.
+//    - weights and tokens from two producer warps instead of one loop in one warp (H100, ratios to cuBLAS fp16 in
+//      the same process, two rounds, k = 4, M = 1024): 8192 x 8192 0.81 / 0.81 -> 0.84 / 0.85, 28672 x 8192 0.85 /
+//      0.84 -> 0.87 / 0.87, 14336 x 4096 0.71 / 0.71 -> 0.71 / 0.72, 4096 x 14336 0.79 / 0.78 -> 0.81 / 0.80. With
+//      one warp, every wait for a token slot also held back the next weight copies: ncu (14336 x 4096, M = 1024)
+//      had 10% of the consumers' stall samples on the weight "full" barriers, 13% on the token ones and 11% on
+//      the wgmma waits (WARPGROUP.DEPBAR); issue slots 26% busy (cuBLAS: 9.6%, 176 x 128 tiles in clusters of 2,
+//      132 persistent CTAs). 5 token half-slots with 3 weight slots on top: no better (within +-2%).
 //    - the next unit fetched after block 3 (this version) vs at the start of each k-step: 1-3% (4096 x 14336
 //      M=1024 198.8 / 205.4 -> 194.2 / 197.8, 28672 x 8192 779.7 / 807.4 -> 768.8 / 785.5, two rounds).
 //    - not kept: 5 token half-slots with 2 weight slots (14336 x 4096 M=4096 880.4 vs 860.7, 28672 x 8192
@@ -247,9 +254,13 @@ template <class Cfg> struct WsSmem {
     __device__ __forceinline__ uint32_t w_empty(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + Cfg::W_STAGES + s); }
 };
 
+// The producer warps: one streams the weights (k-step i into weight slot i % W_STAGES), another the tokens (half j
+// into token slot j % TOK_STAGES), each gated only by its own ring's "empty" barriers, so the weights run up to
+// W_STAGES k-steps ahead whatever the token ring does (one warp issuing both in one loop held the weights behind
+// every token-slot wait: ncu showed the consumers' weight waits at 10% of their stall samples).
 template <class Cfg>
-__device__ __forceinline__ void ws_producer(const KbitGemmParams& p, const CUtensorMap* tmap, const WsSmem<Cfg>& sm,
-                                            int n16_base, int m_base, int k_begin, int n_steps, int lane) {
+__device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, const WsSmem<Cfg>& sm, int n16_base,
+                                                   int k_begin, int n_steps, int lane) {
     // lanes 0-7 copy the words of unit n16_base + lane, lanes 8-15 its absmax (units past N: the last one,
     // whose rows are never stored)
     const int u = lane % Cfg::CONSUMER_WARPS;
@@ -266,16 +277,17 @@ __device__ __forceinline__ void ws_producer(const KbitGemmParams& p, const CUten
         }
         __syncwarp();
         if (lane < 16) bulk_copy_g2s(sm.w_slot(ws) + dst_off, g_src + (long long)i * src_step, src_step, sm.w_full(ws));
-        if (lane == 0) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int j = 2 * i + h, ts = j % Cfg::TOK_STAGES;
-                mbar_wait(sm.t_empty(ts), ((j / Cfg::TOK_STAGES) & 1) ^ 1);
-                mbar_arrive_expect_tx(sm.t_full(ts), Cfg::TOK_HALF_BYTES);
-                tma_load_2d(sm.tok_slot(ts), tmap, (k_begin + i) * UNIT_K + h * Cfg::HALF_K, m_base, sm.t_full(ts));
-            }
-        }
-        __syncwarp();
+    }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const WsSmem<Cfg>& sm, int m_base,
+                                                  int k_begin, int n_steps) {
+    for (int j = 0; j < 2 * n_steps; j++) { // half j of this split = k (k_begin + j / 2) * UNIT_K + (j % 2) * HALF_K
+        const int ts = j % Cfg::TOK_STAGES;
+        mbar_wait(sm.t_empty(ts), ((j / Cfg::TOK_STAGES) & 1) ^ 1);
+        mbar_arrive_expect_tx(sm.t_full(ts), Cfg::TOK_HALF_BYTES);
+        tma_load_2d(sm.tok_slot(ts), tmap, k_begin * UNIT_K + j * Cfg::HALF_K, m_base, sm.t_full(ts));
     }
 }
 
@@ -401,7 +413,8 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
 
     if (warp >= Cfg::CONSUMER_WARPS) {
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
-        if (warp == Cfg::CONSUMER_WARPS) ws_producer<Cfg>(p, &tmap, sm, n16_cta, m_base, k_begin, n_steps, lane);
+        if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
+        if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0) ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps);
         return;
     }
     KBIT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::CONSUMER_REGS));

@@ -163,7 +163,8 @@ def _sm_count(device_index: int) -> int:
 # tile counters reset themselves). It grows only outside CUDA-graph capture; a call that needs
 # more than it has while capturing gets fewer k-splits (the dispatcher falls back), never an
 # allocation.
-_MIN_WORKSPACE_BYTES = 8 << 20  # grows to what a call needs (at most ~64 MiB: config 7 tokens, csrc/kbit_gemm.cu)
+# It grows to what a call needs: at most ~96 MiB (config 7: permuted tokens + split-K tiles, csrc/kbit_gemm.cu).
+_MIN_WORKSPACE_BYTES = 8 << 20
 _workspaces: dict[int, torch.Tensor] = {}
 
 
