@@ -223,7 +223,7 @@ static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_split
 // 224 CTAs for 264 slots). Stream-K for configs 2-3 (equal runs of (tile, k-step) pairs) was built and
 // measured slower on all but 28672 x 8192 (docs/kernel.md, "Idle SM slots, and stream-K").
 static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_count) {
-    if (M > SPLIT_K_MAX_M || c.mb > 8) return 1; // mb 32: config 7, no split-K
+    if (M > SPLIT_K_MAX_M || c.mb > 8) return 1; // mb 32: config 7, its splits come from ws_splits
     const int k_steps = ceil_div(K_dim, UNIT_K);
     const long long n_ctas = ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n);
     const long long ctas = n_ctas * ceil_div(M, c.tile_m());
@@ -239,8 +239,9 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 }
 
 // Config 7 (warp-specialised, 128 rows x 256 tokens) from WS_MIN_M tokens up to WS_MAX_M, when its CTAs (tiles x
-// ws_splits) fill at least 3/4 of the SMs. Before it had split-K (the numbers below), only its tiles counted. H200, k = 4, us, config 7 vs what ran before (config 6 up to 256
-// tokens, the staged path above), cuBLAS fp16 in brackets (dev/probe_paths.py --configs 6 7 --staged):
+// ws_splits) fill at least 3/4 of the SMs. Before it had split-K (the numbers below), only its tiles counted.
+// H200, k = 4, us, config 7 vs what ran before (config 6 up to 256 tokens, the staged path above), cuBLAS fp16 in
+// brackets (dev/probe_paths.py --configs 6 7 --staged):
 //   14336 x 4096  M=256 53.9 vs 94.8 (50.0), M=1024 219.9 vs 237.1 (188.6)
 //   28672 x 8192  M=256 214.6 vs 358.6 (211.2), M=1024 768.0 vs 921.3 (734.6)
 //   8192 x 28672  M=512 343.9 vs 536.9 (349.2), M=1024 716.6 vs 897.9 (708.8)
@@ -273,7 +274,8 @@ static long long ws_tiles(int M, int N, int K_dim) {
 // (dev/probe_paths.py --configs 6 7 --staged), config 7 split vs config 6 / staged (cuBLAS fp16):
 //   8192 x 28672 M=256 (64 tiles x 2 splits of 112) 187.7 vs 322.5 (183.7)
 //   8192 x 8192  M=256 (64 x 2 of 32)               66.0 vs 97.9 (54.7)
-//   4096 x 14336 M=256 (32 x 4 of 28)               65.3 vs 90.1 (59.8); M=512 (64 x 2 of 56) 109.9 vs staged 141.6 (83.2)
+//   4096 x 14336 M=256 (32 x 4 of 28)               65.3 vs 90.1 (59.8)
+//   4096 x 14336 M=512 (64 x 2 of 56)               109.9 vs staged 141.6 (83.2)
 //   splits of 16 k-steps lose: 4096 x 4096 M=256 (32 x 4 of 8 / 2 of 16) 32.3 / 37.1 vs 28.8, M=512 (64 x 2 of 16)
 //   42.2 vs staged 38.9; 1024 x 4096 M=512-1024 (16-32 tiles) 30-38 vs staged 16-22. Hence at least 24 k-steps.
 #ifndef KBIT_WS_MIN_SPLIT_STEPS // dev/build_variant.sh
