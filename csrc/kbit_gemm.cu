@@ -282,8 +282,25 @@ static long long ws_tiles(int M, int N, int K_dim) {
 #define KBIT_WS_MIN_SPLIT_STEPS 24
 #endif
 constexpr int WS_MIN_SPLIT_STEPS = KBIT_WS_MIN_SPLIT_STEPS;
-static size_t ws_partial_bytes(int M, int N, int K_dim, int k_splits) {
-    return k_splits > 1 ? (size_t)k_splits * ws_tiles(M, N, K_dim) * 256 * 128 * 4 : 0;
+constexpr size_t WS_TILE_BYTES = 256 * 128 * 4; // one fp32 partial tile
+// Without k splits, a partial last wave of config 7 that would leave more than half the SMs idle runs its tiles as
+// two CTAs of half the k-steps each (kbit_gemm_wgmma_ws.cuh section 7, with its numbers): the tiles of the last
+// wave of `tiles`, each half at least 8 k-steps.
+static int ws_tail_tiles(long long tiles, int k_steps, int sm_count) {
+#ifdef KBIT_WS_NO_TAIL_SPLIT // A/B timing builds (dev/build_variant.sh)
+    return 0;
+#endif
+    const long long sms = sm_count > 0 ? sm_count : 1;
+    const long long tail = tiles % sms;
+    return tiles > sms && tail > 0 && 2 * tail <= sms && k_steps >= 2 * WS_MIN_SPLIT_STEPS / 3 ? (int)tail : 0;
+}
+static size_t ws_partial_bytes(int M, int N, int K_dim, int k_splits, int sm_count) {
+    if (k_splits > 1) return (size_t)k_splits * ws_tiles(M, N, K_dim) * WS_TILE_BYTES;
+    const int rows = ws_token_rows(M, K_dim), k_steps = ceil_div(K_dim, UNIT_K);
+    const long long n_tiles = ceil_div(N, 128), last_rows = M - (long long)(ceil_div(M, rows) - 1) * rows;
+    const int tail = max(ws_tail_tiles(n_tiles * ceil_div(M < rows ? M : rows, 256), k_steps, sm_count),
+                         ws_tail_tiles(n_tiles * ceil_div(last_rows, 256), k_steps, sm_count)); // full, last chunk
+    return (size_t)tail * 2 * WS_TILE_BYTES;
 }
 static int ws_splits(int M, int N, int K_dim, int sm_count) {
     const long long tiles = ws_tiles(M, N, K_dim);
@@ -293,13 +310,13 @@ static int ws_splits(int M, int N, int K_dim, int sm_count) {
     long long splits = sms / tiles;
     if (splits > k_steps / WS_MIN_SPLIT_STEPS) splits = k_steps / WS_MIN_SPLIT_STEPS;
     if (splits > MAX_SPLITS) splits = MAX_SPLITS;
-    while (splits > 1 && ws_partial_bytes(M, N, K_dim, (int)splits) > MAX_WORKSPACE_BYTES) splits--;
+    while (splits > 1 && ws_partial_bytes(M, N, K_dim, (int)splits, sm_count) > MAX_WORKSPACE_BYTES) splits--;
     if (splits <= 1) return 1;
     return ceil_div(k_steps, ceil_div(k_steps, splits)); // the last split is never empty
 }
 // counters, the partial tiles (k_splits > 1), then the permuted tokens
-static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits) {
-    return COUNTER_REGION_BYTES + ws_partial_bytes(M, N, K_dim, k_splits) + ws_token_bytes(M, K_dim);
+static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_count) {
+    return COUNTER_REGION_BYTES + ws_partial_bytes(M, N, K_dim, k_splits, sm_count) + ws_token_bytes(M, K_dim);
 }
 static bool ws_config_fits(int M, int N, int K_dim, int sm_count) {
     if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
@@ -502,7 +519,7 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
 // config 7 per chunk of M (ws_token_rows): permute the chunk's tokens into the workspace (after the counter
 // region, which stays zero), encode its tensor map, launch one CTA per (128-row, 256-token) tile, m tile fastest
 template <class Cfg, typename T>
-static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, size_t workspace_bytes,
+static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, size_t workspace_bytes, int sm_count,
                             cudaStream_t stream) {
     if (!wgmma_available()) {
         set_error("ckbit_gemm", "the wgmma configs need a compute capability 9.0 GPU and a library built for sm_90a");
@@ -512,14 +529,14 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
     if (!prepare_launch(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, k_splits, "wgmma-ws"))
         return;
     const int rows_chunk = ws_token_rows(p.M, p.K_dim);
-    if (workspace == nullptr || workspace_bytes < ws_workspace_bytes(p.M, p.N, p.K_dim, k_splits)) {
+    if (workspace == nullptr || workspace_bytes < ws_workspace_bytes(p.M, p.N, p.K_dim, k_splits, sm_count)) {
         set_error("ckbit_gemm", "config 7 needs a workspace of ckbit_gemm_workspace_bytes for its permuted tokens");
         return;
     }
     p.counters = reinterpret_cast<int*>(workspace);
     p.partials = reinterpret_cast<float*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES);
     uint32_t* A_perm = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES +
-                                                   ws_partial_bytes(p.M, p.N, p.K_dim, k_splits));
+                                                   ws_partial_bytes(p.M, p.N, p.K_dim, k_splits, sm_count));
     const int vec_ok = p.a_vec_ok;
     for (int m0 = 0; m0 < p.M; m0 += rows_chunk) {
         const int rows = p.M - m0 < rows_chunk ? p.M - m0 : rows_chunk;
@@ -536,7 +553,10 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
         q.M = rows;
         q.A = A_perm;
         q.C = reinterpret_cast<char*>(p.C) + (long long)m0 * p.N * (long long)sizeof(T);
-        const dim3 grid(ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS) * ceil_div(rows, Cfg::TOK), k_splits);
+        const int tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS) * ceil_div(rows, Cfg::TOK);
+        const int tail = k_splits > 1 ? 0 : ws_tail_tiles(tiles, p.k_steps, sm_count);
+        q.ws_tail_from = tiles - tail;
+        const dim3 grid(tiles + tail, k_splits);
         kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(q, map);
         if (!check_launch("ckbit_gemm wgmma-ws")) return;
     }
@@ -573,8 +593,8 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     if (d.config == WS_CONFIG) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
-        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, d.k_splits) > workspace_bytes) d.k_splits--;
-        if (workspace == nullptr || workspace_bytes < ws_workspace_bytes(M, N, K_dim, 1)) {
+        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, d.k_splits, sm_count) > workspace_bytes) d.k_splits--;
+        if (workspace == nullptr || workspace_bytes < ws_workspace_bytes(M, N, K_dim, 1, sm_count)) {
             d.config = FIRST_WGMMA_CONFIG; // no room for the permuted tokens (a workspace grown before, under capture)
             d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
         }
@@ -588,6 +608,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     KbitGemmParams p;
     set_tiled_weight(p, B_packed, B_absmax, codebook, codebook_len, N, K_dim);
     p.cluster_reduce = 0;
+    p.ws_tail_from = 0x7fffffff;
     p.A = A;
     p.bias = bias;
     p.C = C;
@@ -603,7 +624,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         p.partials = nullptr;
     }
     if (d.config == WS_CONFIG) {
-        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8>, T>(p, d.k_splits, workspace, workspace_bytes, stream);
+        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count, stream);
         return;
     }
     switch (d.config) {
@@ -630,8 +651,8 @@ static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count)
         if (b > worst) worst = b;
     }
     // config 7's partial tiles and permuted tokens (wherever it can run)
-    if (wgmma_available() && ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count)) > worst)
-        worst = ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count));
+    if (wgmma_available() && ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count), sm_count) > worst)
+        worst = ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count), sm_count);
     (void)k_bits;
     return worst;
 }

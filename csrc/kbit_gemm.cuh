@@ -557,6 +557,7 @@ struct KbitGemmParams {
     int a_word_ok;          // A 4-byte aligned and lda % 2 == 0
     int a_rows;             // token rows of A staged per k-step: min(M, TILE_M)
     int cluster_reduce;     // config 6: the k_splits CTAs of a tile are one cluster and reduce through DSMEM
+    int ws_tail_from;       // config 7 without k_splits: tiles from here on run as two CTAs of half the k-steps
 };
 
 // build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES.
@@ -948,13 +949,14 @@ __device__ __forceinline__ void store_output(const float (&acc)[Cfg::MT][Cfg::MB
 struct CtaSync {
     __device__ __forceinline__ void operator()() const { __syncthreads(); }
 };
+// (split, n_splits: blockIdx.y and p.k_splits unless the caller names others: config 7's split last wave)
 template <class Cfg, class Sync = CtaSync>
 __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
                                                int tile_id, int wn, bool is_writer, int lane, int* s_flag,
-                                               Sync sync = Sync()) {
+                                               Sync sync = Sync(), int split = -1, int n_splits = 0) {
     constexpr int F = Cfg::ACC_FLOATS;
-    const long long slot_base = (long long)tile_id * p.k_splits * Cfg::TILE_FLOATS;
-    const int split = blockIdx.y;
+    if (split < 0) split = blockIdx.y, n_splits = p.k_splits;
+    const long long slot_base = (long long)tile_id * n_splits * Cfg::TILE_FLOATS;
     if (is_writer) {
         float* g_slot = p.partials + slot_base + (long long)split * Cfg::TILE_FLOATS + wn * F * 32;
 #pragma unroll
@@ -967,7 +969,7 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
     sync(); // the CTA's slot stores happen before thread 0's release below
     if (threadIdx.x == 0) {
         const int prev = atomic_add_acq_rel_gpu(p.counters + tile_id, 1); // release our slot, acquire the others'
-        const int last = prev == p.k_splits - 1;
+        const int last = prev == n_splits - 1;
         if (last) p.counters[tile_id] = 0; // self-reset for the next call (kernel boundaries order it)
         *s_flag = last;
     }
@@ -975,7 +977,7 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
     if (!*s_flag) return false;
     if (is_writer) {
         zero_acc<Cfg>(acc);
-        for (int sp = 0; sp < p.k_splits; sp++) { // ptxas unrolls by 4 and issues the 4 slots' loads together
+        for (int sp = 0; sp < n_splits; sp++) { // ptxas unrolls by 4 and issues the 4 slots' loads together
             const float* g_slot = p.partials + slot_base + (long long)sp * Cfg::TILE_FLOATS + wn * F * 32;
 #pragma unroll
             for (int mt = 0; mt < Cfg::MT; mt++)

@@ -82,6 +82,17 @@
 //      running into the next tile during the epilogue): 14336 x 4096 M=512 100.5 / 101.9 -> 109.4 / 108.5,
 //      M=1024 214.4 / 217.1 -> 225.3 / 227.2, 28672 x 8192 equal (two rounds; the hardware's block
 //      scheduler balances the waves better than a static round robin).
+//
+// 7. The partial last wave. One CTA per SM runs the tiles in waves, and the time follows the number of waves, not
+//    of tiles (H100, k = 4, M = 1024, us: 12672 x 4096 = 396 tiles = 3 waves 172, 14336 x 4096 = 448 tiles = 3.4
+//    waves 227, 16896 x 4096 = 528 tiles = 4 waves 237; cuBLAS 145 / 161 / 192). Where the last wave would leave
+//    more than half the SMs idle and the launch has no k splits (ws_tail_tiles in kbit_gemm.cu), its tiles run as
+//    two CTAs each, half the k-steps apiece, placed last in the grid (blocks start in index order):
+//        grid: [ whole tiles 0 .. F-1 | tile F k half 0, tile F k half 1, tile F+1 k half 0, ... ]   F = ws_tail_from
+//    and the two halves add up through the same workspace slots as the k splits (slot tile = the pair's index).
+//    H100, k = 4, us, two rounds: 28672 x 8192 M = 512 (448 tiles, 52 split) 466.7 / 451.8 -> 428.2 / 428.3,
+//    14336 x 4096 M = 1024 233.2 / 233.6 -> 224.9 / 229.6 (cuBLAS 338 and 165): less than the wave count
+//    promises (3.5 waves for 4), so the waves are not all of the story there.
 // ============================================================================================
 #pragma once
 
@@ -391,12 +402,18 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     sm.w = sm.lut + Cfg::LUT_BYTES;
     sm.bar = sm.w + Cfg::W_STAGES * Cfg::W_STAGE_BYTES;
 
+    // split blockIdx.y of the k-steps (section 2); the host plans no empty split (ws_splits). Without k splits, the
+    // tiles of a partial last wave run as two CTAs each, half the k-steps apiece, last in the grid (section 7)
+    int tile = blockIdx.x, split = blockIdx.y, n_splits = p.k_splits, ks = p.ks_per_split, slot_tile = blockIdx.x;
+    if (n_splits == 1 && tile >= p.ws_tail_from) {
+        const int j = tile - p.ws_tail_from;
+        tile = p.ws_tail_from + j / 2, split = j % 2, n_splits = 2, ks = (p.k_steps + 1) / 2, slot_tile = j / 2;
+    }
+    const int k_begin = split * ks;
+    const int n_steps = min(ks, p.k_steps - k_begin);
     const int m_tiles = (p.M + Cfg::TOK - 1) / Cfg::TOK;
-    const int m_base = (blockIdx.x % m_tiles) * Cfg::TOK;
-    const int n16_cta = (blockIdx.x / m_tiles) * Cfg::CONSUMER_WARPS;
-    // split blockIdx.y of the k-steps (section 2); the host plans no empty split (ws_splits)
-    const int k_begin = blockIdx.y * p.ks_per_split;
-    const int n_steps = min(p.ks_per_split, p.k_steps - k_begin);
+    const int m_base = (tile % m_tiles) * Cfg::TOK;
+    const int n16_cta = (tile / m_tiles) * Cfg::CONSUMER_WARPS;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < Cfg::TOK_STAGES; s++) {
@@ -436,10 +453,11 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     }
     wgmma_wait<0>();
     float(&acc_tile)[1][32][4] = reinterpret_cast<float(&)[1][32][4]>(acc); // = the m16n8 fragments of 32 token tiles
-    if (p.k_splits > 1) { // the workspace slots of kbit_gemm.cuh section 5, among the consumer warps only
+    if (n_splits > 1) { // the workspace slots of kbit_gemm.cuh section 5, among the consumer warps only
         __shared__ int s_flag;
         const auto consumers_sync = [] { named_barrier_sync(1, Cfg::CONSUMER_THREADS); };
-        if (!reduce_split_k<Cfg>(acc_tile, p, blockIdx.x, warp, true, lane, &s_flag, consumers_sync)) return;
+        if (!reduce_split_k<Cfg>(acc_tile, p, slot_tile, warp, true, lane, &s_flag, consumers_sync, split, n_splits))
+            return;
     }
     store_output<Cfg, T>(acc_tile, p, (n16_cta + warp) * UNIT_ROWS, m_base, lane);
 }

@@ -339,9 +339,13 @@ def test_cuda_gemm_warp_specialised_split_k(k):
     """Config 7 split along k where its tiles leave SMs idle: uneven splits (49 k-steps in 25 + 24), splits in
     every permuted-token chunk (planned for 1000 SMs: 3 splits of 38, 38, 36 k-steps per chunk, the last
     chunk 8 tiles), bias and bf16; the dispatcher's own choice (a deep weight at M = 256) twice in a row
-    gives the same bits (the tile counters reset themselves, the slots are summed in split order)."""
+    gives the same bits (the tile counters reset themselves, the slots are summed in split order). Without k
+    splits, a partial last wave runs its tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6 split, 17
+    k-steps in 9 + 8), and 72 tiles per token chunk on 30 SMs (the first chunk's last 12 split, 56 + 56)."""
     run_case(300, 1000, 6272, k, torch.bfloat16, bias=True, config=7)
     run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=1000)
+    run_case(1000, 1000, 2080, k, torch.bfloat16, bias=True, config=7, sm_count=13)
+    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=30)
     out = run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0)
     assert torch.equal(out, run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0))
 
