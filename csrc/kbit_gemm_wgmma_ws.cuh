@@ -17,10 +17,13 @@
 //        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
 //        in the main loop.
 //    The TMA cannot permute 4-byte words, and the tiled weight permutes k inside each 32-block
-//    (kbit_gemm.cuh section 3), so the tokens are first copied once into a permuted buffer A' (the
-//    workspace, at most WS_TOKEN_BYTES: M is cut into chunks of whole 256-token tiles) by
-//    kbit_permute_tokens_kernel: new word 4w + t of a block = old word 4t + w (a 4 x 4 transpose of
-//    32-bit words). That costs one read and one write of A (M = 1024, K = 4096: 16 MB, ~2% of the GEMM).
+//    (kbit_gemm.cuh section 3). For even k two more warps of the producer warpgroup undo that on the weight side
+//    instead: they transpose each unit's fields among the lanes of a quad in shared memory (section 8), so the TMA
+//    reads A itself. For odd k (fields of 6 and 10 bits straddle words) the tokens are first copied once into a
+//    permuted buffer A' (the workspace, at most WS_TOKEN_BYTES: M is cut into chunks of whole 256-token tiles) by
+//    kbit_permute_tokens_kernel: new word 4w + t of a block = old word 4t + w (a 4 x 4 transpose of 32-bit words).
+//    That copy is one read and one write of A at ~2 TB/s: H100, M = 1024, 9 us for K = 4096 but 29 us for
+//    K = 14336 next to a 160 us GEMM (torch.profiler, dev/probe_kernel_split.py).
 //
 // 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens.
 //          tokens m:  0 ............................ 255
@@ -93,6 +96,20 @@
 //    H100, k = 4, us, two rounds: 28672 x 8192 M = 512 (448 tiles, 52 split) 466.7 / 451.8 -> 428.2 / 428.3,
 //    14336 x 4096 M = 1024 233.2 / 233.6 -> 224.9 / 229.6 (cuBLAS 338 and 165): less than the wave count
 //    promises (3.5 waves for 4), so the waves are not all of the story there.
+//
+// 8. Even k: the weights transposed in the kernel, the tokens not permuted. The weight producer's slot is read by
+//    warps 10 and 11 once its copies land: each lane loads its words of 4 units, exchanges fields with the other
+//    lanes of its quad (two shuffle rounds and byte permutes per block: QuadTransposeSel) so that lane t holds the
+//    pairs at k 2t + 8j the wgmma register fragment wants, stores them back and arrives on "w_ready", which the
+//    consumers wait on instead of "full". H100, M = 1024, k = 4, us, the permute kernel + GEMM -> GEMM alone
+//    (cuBLAS fp16): 4096 x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3),
+//    14336 x 4096 9.2 + 190.1 -> 192.3 (164.9); k = 2: the GEMM kernel's time unchanged (157.6 -> 158.3 on
+//    4096 x 14336). Measured on the way: a first version that transposed one unit at a time was 2.4% slower than
+//    the four units of a warp in one unrolled loop; the async-proxy fence per transposer lane and k-step cost 1%
+//    more than one by the weight producer before it refills the slot. Copying the tokens with 4-byte cp.async into
+//    the permuted layout in the kernel instead (3 producer warps, no A') was correct but 2.5x slower (470 vs 189 us
+//    on 4096 x 14336): ~4 us per k-step, the L1's outstanding requests, not the issue slots (3.5 instructions per
+//    copy), bound 16K 4-byte copies per k-step; the TMA has no such limit.
 // ============================================================================================
 #pragma once
 
@@ -125,6 +142,10 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     // to the consumers, whose 128 accumulators + fragments need more than the 224 a 288-thread launch allows
     // (there ptxas serialized the wgmmas, C7512)
     static constexpr int WS_THREADS = CONSUMER_THREADS + 128;
+    // even k: warps 10, 11 transpose each weight unit's fields within lane quads (section 8), so the tokens need no
+    // permutation; odd k: the tokens are permuted into A' (section 1)
+    static constexpr bool TRANSPOSE = K_BITS_ % 2 == 0;
+    static constexpr int TRANSPOSE_WARPS = 2;
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 x 40 + 256 x 232 <= 64K
     static constexpr int HALF_K = 64;               // k of one TMA box (128 bytes: the swizzle width)
     static constexpr int TOK_HALF_BYTES = TOK * 128;
@@ -134,7 +155,7 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     static constexpr int TOK_STAGES = KBIT_WS_TOK_STAGES;
     static constexpr int W_STAGES = KBIT_WS_W_STAGES;
     static constexpr int LUT_BYTES = 4 * Base::LUT_WORDS;
-    static constexpr int BAR_BYTES = 8 * 2 * (TOK_STAGES + W_STAGES);
+    static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 3 * W_STAGES);
     static constexpr int SMEM_BYTES = 1024 /* alignment */ + TOK_STAGES * TOK_HALF_BYTES + LUT_BYTES +
                                       W_STAGES * W_STAGE_BYTES + BAR_BYTES;
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
@@ -263,6 +284,8 @@ template <class Cfg> struct WsSmem {
     __device__ __forceinline__ uint32_t t_empty(int s) const { return bar + 8 * (Cfg::TOK_STAGES + s); }
     __device__ __forceinline__ uint32_t w_full(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + s); }
     __device__ __forceinline__ uint32_t w_empty(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + Cfg::W_STAGES + s); }
+    // weight slot s transposed (Cfg::TRANSPOSE): what the consumers wait for instead of w_full
+    __device__ __forceinline__ uint32_t w_ready(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + 2 * Cfg::W_STAGES + s); }
 };
 
 // The producer warps: one streams the weights (k-step i into weight slot i % W_STAGES), another the tokens (half j
@@ -287,6 +310,9 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
             mbar_arrive_expect_tx(sm.w_full(ws), Cfg::W_STAGE_BYTES);
         }
         __syncwarp();
+        // the transposer's stores into this slot (generic proxy), seen through w_empty, before the copies (async proxy);
+        // a fence per transposer lane and k-step instead cost 1% (H100, 4096 x 14336 M = 1024, k = 4)
+        if (Cfg::TRANSPOSE && lane < 16) fence_proxy_async_shared();
         if (lane < 16) bulk_copy_g2s(sm.w_slot(ws) + dst_off, g_src + (long long)i * src_step, src_step, sm.w_full(ws));
     }
 }
@@ -299,6 +325,83 @@ __device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const
         mbar_wait(sm.t_empty(ts), ((j / Cfg::TOK_STAGES) & 1) ^ 1);
         mbar_arrive_expect_tx(sm.t_full(ts), Cfg::TOK_HALF_BYTES);
         tma_load_2d(sm.tok_slot(ts), tmap, k_begin * UNIT_K + j * Cfg::HALF_K, m_base, sm.t_full(ts));
+    }
+}
+
+// Section 8: the quad transpose (even k). Lane (g, t) of a unit holds the fields of its physical pairs 4t .. 4t + 3
+// of each block (k 8t .. 8t + 7: kbit_gemm.cuh section 3); the register A operand of wgmma wants in register slot
+// (s, hi) of lane t the pair at k 16 s + 8 hi + 2t (PTX ISA, wgmma register fragments), which with unpermuted tokens
+// is physical pair 4 (2 s + hi) + t: field slot p of lane t must hold pair t of lane p. A block's 8 fields are 4
+// items Y[p] (the fields of rows g and g + 8 of pair p, adjacent in the word stream: a byte at k = 2, a halfword at
+// k = 4), so per block this is a 4 x 4 transpose of the items over the lanes of a quad: two shuffle rounds (xor 2,
+// xor 1), each followed by byte permutes whose selectors depend only on t.
+struct QuadTransposeSel {
+    uint32_t s1, k1, s2, o0, o1; // round 1 send / keep, round 2 send, outputs (k = 4); k = 2 uses s1, s2
+};
+template <int K_BITS> __device__ __forceinline__ QuadTransposeSel quad_transpose_sel(int lane) {
+    const int t = lane % 4, a = t >> 1, b = t & 1;
+    QuadTransposeSel q{};
+    if constexpr (K_BITS == 2) { // one word per block, byte p = Y[p]
+        q.s1 = a ? 0x7632u : 0x5410u; // own bytes 2a, 2a + 1, then the partner's (lane t ^ 2)
+        for (int j = 0; j < 4; j++) { // byte j of the result = Y[t] of lane j
+            const int x = j ^ t;
+            q.s2 |= (uint32_t)(x == 0 ? b : x == 2 ? 2 + b : x == 1 ? 4 + b : 6 + b) << (4 * j);
+        }
+    } else { // two words per block, halfword p % 2 of word p / 2 = Y[p]
+        q.s1 = a ? 0x3210u : 0x7654u; // send the word of the other two lanes' items
+        q.k1 = a ? 0x7654u : 0x3210u;
+        q.s2 = b ? 0x5410u : 0x7632u; // send halfword 1 - b of the kept and the received word
+        for (int j = 0; j < 4; j++) {
+            const int x = j ^ t;
+            const uint32_t sel = x == 0 || x == 2 ? (uint32_t)(2 * b) | (uint32_t)(2 * b + 1) << 4  // own / received word
+                                                  : x == 1 ? 0x54u : 0x76u;                      // round 2's word
+            if (j < 2) q.o0 |= sel << (8 * j);
+            else q.o1 |= sel << (8 * (j - 2));
+        }
+    }
+    return q;
+}
+template <int K_BITS>
+__device__ __forceinline__ void quad_transpose_block(uint32_t* w, const QuadTransposeSel& q, int a) {
+    if constexpr (K_BITS == 2) {
+        const uint32_t v = __byte_perm(w[0], __shfl_xor_sync(0xffffffffu, w[0], 2), q.s1);
+        w[0] = __byte_perm(v, __shfl_xor_sync(0xffffffffu, v, 1), q.s2);
+    } else {
+        const uint32_t keep = __byte_perm(w[0], w[1], q.k1);
+        const uint32_t recv = __shfl_xor_sync(0xffffffffu, __byte_perm(w[0], w[1], q.s1), 2);
+        const uint32_t recv2 = __shfl_xor_sync(0xffffffffu, __byte_perm(keep, recv, q.s2), 1);
+        w[0] = __byte_perm(a ? recv : keep, recv2, q.o0);
+        w[1] = __byte_perm(a ? keep : recv, recv2, q.o1);
+    }
+}
+
+// warps 10, 11 (Cfg::TRANSPOSE): for each k-step, transpose units tw, tw + 2, ... of its weight slot in place once the
+// bulk copies landed, then arrive on w_ready (the weight producer fences the async proxy before it refills the slot).
+// The four units of a warp in one unrolled loop: 2.4% faster than one at a time (H100, 4096 x 14336 M = 1024, k = 4)
+template <class Cfg>
+__device__ __forceinline__ void ws_transpose_weights(const WsSmem<Cfg>& sm, int n_steps, int tw, int lane) {
+    using F = typename Cfg::Fmt;
+    constexpr int K_BITS = F::LANE_WORDS / 2, BLOCK_WORDS = K_BITS / 2;
+    static_assert(F::NV4 * 4 == F::LANE_WORDS, "even k: whole 16-byte chunks");
+    static_assert(Cfg::CONSUMER_WARPS % Cfg::TRANSPOSE_WARPS == 0, "every transposer warp the same units");
+    const QuadTransposeSel q = quad_transpose_sel<K_BITS>(lane);
+    const int a = (lane % 4) >> 1;
+    for (int i = 0; i < n_steps; i++) {
+        const int ws = i % Cfg::W_STAGES;
+        mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
+#pragma unroll
+        for (int j = 0; j < Cfg::CONSUMER_WARPS / Cfg::TRANSPOSE_WARPS; j++) { // units tw, tw + 2, ...
+            const uint32_t s_unit = sm.w_slot(ws) + (tw + j * Cfg::TRANSPOSE_WARPS) * Cfg::UNIT_BYTES;
+            uint32_t w[F::LANE_WORDS];
+            lds_unit_words<Cfg>(w, s_unit, lane);
+#pragma unroll
+            for (int blk = 0; blk < UNIT_BLOCKS; blk++) quad_transpose_block<K_BITS>(w + blk * BLOCK_WORDS, q, a);
+#pragma unroll
+            for (int c = 0; c < F::NV4; c++)
+                sts128(s_unit + 4 * (c * 128 + lane * 4), make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]));
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(sm.w_ready(ws));
     }
 }
 
@@ -318,7 +421,7 @@ __device__ __forceinline__ void ws_fetch_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WOR
                                               uint32_t (&raw)[2][2][4], const WsSmem<Cfg>& sm, int i, uint32_t lane_off,
                                               int warp, int lane) {
     const int ws = i % Cfg::W_STAGES;
-    mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
+    mbar_wait(Cfg::TRANSPOSE ? sm.w_ready(ws) : sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
     ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
 #ifndef KBIT_PROBE_WS_NO_DEQUANT
     lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
@@ -423,6 +526,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         for (int s = 0; s < Cfg::W_STAGES; s++) {
             mbar_init(sm.w_full(s), 1);
             mbar_init(sm.w_empty(s), Cfg::CONSUMER_WARPS);
+            mbar_init(sm.w_ready(s), Cfg::TRANSPOSE_WARPS);
         }
         KBIT_SM90A_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -432,6 +536,8 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
         if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
         if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0) ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps);
+        if constexpr (Cfg::TRANSPOSE)
+            if (warp >= Cfg::CONSUMER_WARPS + 2) ws_transpose_weights<Cfg>(sm, n_steps, warp - Cfg::CONSUMER_WARPS - 2, lane);
         return;
     }
     KBIT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::CONSUMER_REGS));
@@ -482,15 +588,16 @@ static EncodeTiledFn encode_tiled_fn() {
     return s_fn;
 }
 
-// A' [rows][K_dim] 16-bit, boxes of 64 k x 256 rows with the 128-byte swizzle; out-of-range rows and k read as 0
-static bool make_token_map(CUtensorMap* map, const void* A_perm, int rows, int K_dim, int tok) {
+// tokens [rows][K_dim] 16-bit with row stride ld elements (A' or, for even k, A itself: 16-byte aligned, ld % 8 == 0),
+// boxes of 64 k x 256 rows with the 128-byte swizzle; out-of-range rows and k read as 0
+static bool make_token_map(CUtensorMap* map, const void* tokens, int rows, int K_dim, long long ld, int tok) {
     const EncodeTiledFn fn = encode_tiled_fn();
     if (fn == nullptr) return false;
     const cuuint64_t dims[2] = {(cuuint64_t)K_dim, (cuuint64_t)rows};
-    const cuuint64_t strides[1] = {(cuuint64_t)K_dim * 2};
+    const cuuint64_t strides[1] = {(cuuint64_t)ld * 2};
     const cuuint32_t box[2] = {64, (cuuint32_t)tok};
     const cuuint32_t elem_strides[2] = {1, 1};
-    return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(A_perm), dims, strides, box, elem_strides,
+    return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(tokens), dims, strides, box, elem_strides,
               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }

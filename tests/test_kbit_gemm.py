@@ -7,6 +7,8 @@ relative each, random sign, so their effect on a K-long dot product shrinks as 1
 the output (one rounding: 2^-11 / 2^-8 relative); relative Frobenius error <= 2e-3 (fp16) and
 1e-2 (bf16) covers both with margin, while a wrong index, scale or row gives O(1)."""
 
+import ctypes
+
 import pytest
 import torch
 from conftest import requires_hopper, requires_two_gpus, seeded
@@ -348,6 +350,37 @@ def test_cuda_gemm_warp_specialised_split_k(k):
     run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=30)
     out = run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0)
     assert torch.equal(out, run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0))
+
+
+@pytest.mark.cuda
+@requires_hopper
+@pytest.mark.parametrize("k", KS)
+def test_cuda_gemm_warp_specialised_token_strides(k):
+    """Config 7's tokens come from A itself for even k (the kernel transposes the weight fields instead) and from a
+    permuted copy for odd k: a padded row stride (lda = K + 32, read by the tensor map as it is), and views the op
+    copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference, output poisoned."""
+    from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
+
+    from bitsandbytes_kbit.backends.cuda.ops import get_lib
+
+    # the workspace is sized the same for every k (odd k also holds the permuted tokens), so a cached workspace does
+    # not grow, and free what an earlier graph captured, when a call of another k follows
+    sizing = get_lib().ckbit_gemm_workspace_bytes
+    sizing.restype, sizing.argtypes = ctypes.c_size_t, [ctypes.c_int] * 5
+    for M_ in (256, 1024, 2048):
+        assert len({sizing(M_, 14336, 4096, kb, 132) for kb in KS}) == 1, f"workspace size depends on k at M = {M_}"
+    M, N, K_dim = 300, 1000, 1312
+    packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda", M, torch.float16)
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    g = seeded("ws-strides", k)
+    for pad, offset in ((32, 0), (4, 0), (8, 1)):
+        big = torch.randn(M, K_dim + pad + offset, generator=g).to("cuda", torch.float16)
+        A = big[:, offset : offset + K_dim]
+        out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
+        kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, None, out, config=7)
+        ref = reference(A, packed, absmax, cb, k, N, K_dim)
+        assert bool(torch.isfinite(out).all()), f"every element written (pad {pad}, offset {offset})"
+        assert rel_err(out, ref) <= TOL[torch.float16], f"pad {pad}, offset {offset}"
 
 
 @pytest.mark.cuda
