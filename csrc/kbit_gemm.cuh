@@ -199,9 +199,14 @@ static_assert(UNIT_K % BLOCK_ELEMS == 0, "a unit must hold whole quantization bl
 // Per k-bit width: how a lane's 2*K_BITS words per unit hold its 32 pair fields.
 //   pair q = 4*u + j, u = 2*blk + s (MMA k16 step), j = MMA register (0: row g, pair 2s; 1: row g+8,
 //   pair 2s; 2: row g, pair 2s+1; 3: row g+8, pair 2s+1). A pair = elements (8t+2p, 8t+2p+1).
-//   The pair's field is its LUT index e (FIELD_BITS = 2 K_BITS bits) at bits [q FIELD_BITS, + FIELD_BITS)
-//   of the lane's words read as one 64 K_BITS-bit little-endian stream (word w = stream bits 32w..32w+31);
-//   for k = 3, 5 a field may straddle two words (one funnel shift reads it). Every k thus needs one shift + one
+//   The pair's field is its LUT index e (FIELD_BITS = 2 K_BITS bits) at bits [slot FIELD_BITS, + FIELD_BITS)
+//   of the lane's words read as one 64 K_BITS-bit little-endian stream (word w = stream bits 32w..32w+31),
+//   slot = field_slot(q); for k = 3, 5 a field may straddle two words (one funnel shift reads it).
+//   Even k: slot = q. Odd k: slot = 16 c + 8 d + 2 blk + row for the pair p = 2c + d of row g + 8 row and block
+//   blk, i.e. the lane's stream is two halves (c; K_BITS words each) of two subs (d; 2 K_BITS bytes each) of the
+//   4 blocks' items (the fields of rows g, g + 8 of one pair): the unit the in-kernel weight transpose of config 7
+//   moves between lanes (kbit_gemm_wgmma_ws.cuh section 8). Which slot holds which pair costs the other configs
+//   nothing: the set of field positions, and so the shifts per field, is the same. Every k thus needs one shift + one
 //   LOP3 per LUT address; the former odd-k split (a low-bits field + a 2-bit top-bits field in other words) needed
 //   two of each: H100 M = 1 k = 3, us, 14336 x 4096 18.1 -> 14.8, 28672 x 8192 55.3 -> 44.0 (docs/kernel.md).
 //   e = lo | hi << LO_FIELD_BITS: lo = the LO_BITS_PER_ELEM low index bits of elem0, then of elem1; hi
@@ -223,6 +228,13 @@ template <int K_BITS> struct TiledFormat {
     static constexpr int HAS_V2 = (LANE_WORDS % 4) != 0;
     static_assert(LANE_WORDS % 2 == 0, "tail chunk is one uint2");
     static constexpr bool QUAD = K_BITS == 2;
+    // stream slot of pair field q = 8 blk + 2 p + row (see above), and back
+    static constexpr __host__ __device__ int field_slot(int q) {
+        return K_BITS % 2 == 0 ? q : 16 * ((q >> 2) & 1) + 8 * ((q >> 1) & 1) + 2 * (q >> 3) + (q & 1);
+    }
+    static constexpr __host__ __device__ int slot_field(int slot) {
+        return K_BITS % 2 == 0 ? slot : 8 * ((slot >> 1) & 3) + 4 * (slot >> 4) + 2 * ((slot >> 3) & 1) + (slot & 1);
+    }
 };
 
 // word offset inside a unit of lane word lw of lane `lane`
@@ -467,7 +479,7 @@ template <int K_BITS>
 __host__ __device__ inline void tiled_bit_source(int lane, int lw, int bit, int& row, int& kk, int& ibit) {
     using F = TiledFormat<K_BITS>;
     const int pos = 32 * lw + bit; // in the lane's bit stream
-    const int q = pos / F::FIELD_BITS, x = pos % F::FIELD_BITS;
+    const int q = F::slot_field(pos / F::FIELD_BITS), x = pos % F::FIELD_BITS;
     int elem;
     if (x < F::LO_FIELD_BITS) {
         elem = x / F::LO_BITS_PER_ELEM;
@@ -748,6 +760,18 @@ __device__ __forceinline__ void lds_unit_words(uint32_t (&r_w)[Cfg::Fmt::LANE_WO
                      : "r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)));
 }
 
+// ... and back (kbit_gemm_wgmma_ws.cuh: the weight transpose in shared memory)
+template <class Cfg>
+__device__ __forceinline__ void sts_unit_words(const uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS], uint32_t s_unit, int lane) {
+    using F = typename Cfg::Fmt;
+#pragma unroll
+    for (int c = 0; c < F::NV4; c++)
+        sts128(s_unit + 4 * (c * 128 + lane * 4), make_uint4(r_w[4 * c], r_w[4 * c + 1], r_w[4 * c + 2], r_w[4 * c + 3]));
+    if constexpr (F::HAS_V2)
+        asm volatile("st.shared.v2.b32 [%0], {%1,%2};\n" ::"r"(s_unit + 4 * (F::NV4 * 128 + lane * 2)), "r"(r_w[4 * F::NV4]),
+                     "r"(r_w[4 * F::NV4 + 1]));
+}
+
 // this lane's absmax of rows g, g + 8 (8 bytes of E4M4 or 16 of fp16) at s_abs
 template <class Cfg>
 __device__ __forceinline__ void lds_unit_absmax(uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], uint32_t s_abs) {
@@ -793,7 +817,8 @@ __device__ __forceinline__ uint32_t scale_pair(const uint32_t (&r_abs)[Cfg::ABS_
 template <class Cfg, int Q> __device__ __forceinline__ uint32_t lut_addr(const uint32_t* r_w, uint32_t lane_off) {
     using F = typename Cfg::Fmt;
     constexpr int LS = Cfg::LUT_STRIDE_LOG2;
-    constexpr int W = Q * F::FIELD_BITS / 32, B = Q * F::FIELD_BITS % 32; // field bit 0 = bit B of word W
+    constexpr int POS = F::field_slot(Q) * F::FIELD_BITS;
+    constexpr int W = POS / 32, B = POS % 32; // field bit 0 = bit B of word W
     constexpr uint32_t MASK = ((1u << F::FIELD_BITS) - 1) << LS;
     uint32_t x;
     if constexpr (B + F::FIELD_BITS > 32) { // straddles: B > 32 - FIELD_BITS >= 22 > LS

@@ -17,13 +17,11 @@
 //        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
 //        in the main loop.
 //    The TMA cannot permute 4-byte words, and the tiled weight permutes k inside each 32-block
-//    (kbit_gemm.cuh section 3). For even k two more warps of the producer warpgroup undo that on the weight side
-//    instead: they transpose each unit's fields among the lanes of a quad in shared memory (section 8), so the TMA
-//    reads A itself. For odd k (fields of 6 and 10 bits straddle words) the tokens are first copied once into a
-//    permuted buffer A' (the workspace, at most WS_TOKEN_BYTES: M is cut into chunks of whole 256-token tiles) by
-//    kbit_permute_tokens_kernel: new word 4w + t of a block = old word 4t + w (a 4 x 4 transpose of 32-bit words).
-//    That copy is one read and one write of A at ~2 TB/s: H100, M = 1024, 9 us for K = 4096 but 29 us for
-//    K = 14336 next to a 160 us GEMM (torch.profiler, dev/probe_kernel_split.py).
+//    (kbit_gemm.cuh section 3). Two more warps of the producer warpgroup undo that on the weight side instead: they
+//    transpose each unit's fields among the lanes of a quad in shared memory (section 8), so the TMA reads A itself
+//    and a call is one kernel. (Until the odd-k transpose, k = 3 and 5 first copied the tokens into a permuted
+//    buffer A' with a separate kernel: one read and one write of A at ~2 TB/s, 9-15% of a call; H100, M = 1024,
+//    9 us for K = 4096, 29 us for K = 14336 next to a 160 us GEMM; torch.profiler, dev/probe_kernel_split.py.)
 //
 // 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens.
 //          tokens m:  0 ............................ 255
@@ -42,9 +40,9 @@
 //    __syncthreads: the producer warps have returned). H100, k = 4, 8192 x 28672 M = 256: 322.5 us in config 6,
 //    187.7 in config 7 with 2 splits (cuBLAS fp16 183.7).
 //
-// 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES token half-steps (k 64 wide, 32 KB each,
-//    1024-aligned for the swizzle), W_STAGES weight k-steps (8 units' words + absmax, as stored in
-//    global), and 2 mbarriers per slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
+// 3. Shared memory (one CTA per SM): the LUT (32 KB; 64 KB at k = 5), TOK_STAGES token half-steps (k 64 wide, 32 KB
+//    each, 1024-aligned for the swizzle), W_STAGES weight k-steps (8 units' words + absmax, as stored in global; 3
+//    at k = 5, 4 otherwise), and 2 mbarriers per token slot, 3 per weight slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
 //    token producer token slots (2i, 2i + 1) % TOK_STAGES.
 //
 // 4. Consumer loop per k-step: wait w_full, load this warp's unit (LDS) and release the weight slot
@@ -97,19 +95,32 @@
 //    14336 x 4096 M = 1024 233.2 / 233.6 -> 224.9 / 229.6 (cuBLAS 338 and 165): less than the wave count
 //    promises (3.5 waves for 4), so the waves are not all of the story there.
 //
-// 8. Even k: the weights transposed in the kernel, the tokens not permuted. The weight producer's slot is read by
-//    warps 10 and 11 once its copies land: each lane loads its words of 4 units, exchanges fields with the other
-//    lanes of its quad (two shuffle rounds and byte permutes per block: QuadTransposeSel) so that lane t holds the
-//    pairs at k 2t + 8j the wgmma register fragment wants, stores them back and arrives on "w_ready", which the
-//    consumers wait on instead of "full". H100, M = 1024, k = 4, us, the permute kernel + GEMM -> GEMM alone
-//    (cuBLAS fp16): 4096 x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3),
-//    14336 x 4096 9.2 + 190.1 -> 192.3 (164.9); k = 2: the GEMM kernel's time unchanged (157.6 -> 158.3 on
-//    4096 x 14336). Measured on the way: a first version that transposed one unit at a time was 2.4% slower than
-//    the four units of a warp in one unrolled loop; the async-proxy fence per transposer lane and k-step cost 1%
-//    more than one by the weight producer before it refills the slot. Copying the tokens with 4-byte cp.async into
-//    the permuted layout in the kernel instead (3 producer warps, no A') was correct but 2.5x slower (470 vs 189 us
-//    on 4096 x 14336): ~4 us per k-step, the L1's outstanding requests, not the issue slots (3.5 instructions per
-//    copy), bound 16K 4-byte copies per k-step; the TMA has no such limit.
+// 8. The weights transposed in the kernel, the tokens not permuted. The weight producer's slot is read by warps 10
+//    and 11 once its copies land: each lane loads its words of 4 units, exchanges fields with the other lanes of its
+//    quad so that lane t holds the pairs at k 2t + 8j the wgmma register fragment wants, stores them back and arrives
+//    on "w_ready", which the consumers wait on instead of "full". Even k: two shuffle rounds and byte permutes per
+//    block (QuadTransposeSel). Odd k: 6- and 10-bit fields straddle words, so the tiled layout orders a lane's fields
+//    for this exchange (TiledFormat::field_slot: halves and subs that move as whole words and halfwords) and the
+//    exchange is two shuffle rounds over the whole unit (quad_transpose_halves).
+//    H100, M = 1024, us, the permute kernel + GEMM -> GEMM alone (cuBLAS fp16):
+//      k = 4: 4096 x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3), 14336 x 4096
+//             9.2 + 190.1 -> 192.3 (164.9); k = 2: the GEMM kernel's time unchanged (157.6 -> 158.3 on 4096 x 14336);
+//      k = 3: 28.8 + 158.6 -> 158.2 (153.8), 16.8 + 187.9 -> 187.7 (178.5), 9.3 + 187.6 -> 188.5 (161.0);
+//      k = 5: 28.6 + 159.9 -> 172.6, 16.7 + 190.1 -> 204.3, 9.2 + 190.3 -> 203.5.
+//    At M = 1024 the shared-memory pipe is nearly full: per k-step the wgmmas read 128 KB of tokens, the TMA writes
+//    64 KB, and the LUT reads, the transposer's loads, stores and shuffles and the consumers' unit loads come on
+//    top. k = 5 has the most of the latter (10 words per lane, a 1024-entry LUT with 2-way conflicts at 16 copies,
+//    4-way at 8): its transposer's loads and stores alone cost 6 us (KBIT_PROBE_WS_NO_TRANSPOSE_MATH: 164.7 vs
+//    158.8 without a transposer), the exchanges another 15 at 8 LUT copies; 16 copies took back 9 (KbitWsConfig).
+//    Measured on the way: a first odd-k version that took each block's 4 items out as numbers, exchanged them with
+//    selects and put them back (~34 instructions per block, the old field order) made the k = 3 kernel 40 us slower
+//    (231.6 vs 184.3 on 8192 x 8192); the load-compute-store order per batch of units (k = 3: 2, k = 2: 4) keeps the
+//    exchanges of a batch in flight together, and batches that spill (k = 4: 2 units) cost 3%; the four even-k units
+//    of a warp in one unrolled loop were 2.4% faster than one at a time; the async-proxy fence per transposer lane
+//    and k-step cost 1% more than one by the weight producer before it refills the slot. Copying the tokens with
+//    4-byte cp.async into the permuted layout in the kernel instead (3 producer warps, no A') was correct but 2.5x
+//    slower (470 vs 189 us on 4096 x 14336): ~4 us per k-step, the L1's outstanding requests, not the issue slots
+//    (3.5 instructions per copy), bound 16K 4-byte copies per k-step; the TMA has no such limit.
 // ============================================================================================
 #pragma once
 
@@ -126,11 +137,15 @@ namespace kbit {
 #ifndef KBIT_WS_W_STAGES
 #define KBIT_WS_W_STAGES 4
 #endif
+#ifndef KBIT_WS_K5_LUT_COPIES
+#define KBIT_WS_K5_LUT_COPIES 16
+#endif
+#ifndef KBIT_WS_K5_W_STAGES
+#define KBIT_WS_K5_W_STAGES 3
+#endif
 #ifndef KBIT_WS_FRAG_SLOTS
 #define KBIT_WS_FRAG_SLOTS 2
 #endif
-
-constexpr size_t WS_TOKEN_BYTES = 64u << 20; // permuted-token buffer (A') per chunk of M
 
 template <int K_BITS_, bool ABS_U8_>
 struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
@@ -142,9 +157,7 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     // to the consumers, whose 128 accumulators + fragments need more than the 224 a 288-thread launch allows
     // (there ptxas serialized the wgmmas, C7512)
     static constexpr int WS_THREADS = CONSUMER_THREADS + 128;
-    // even k: warps 10, 11 transpose each weight unit's fields within lane quads (section 8), so the tokens need no
-    // permutation; odd k: the tokens are permuted into A' (section 1)
-    static constexpr bool TRANSPOSE = K_BITS_ % 2 == 0;
+    // warps 10, 11 transpose each weight unit's fields within lane quads (section 8), so the TMA reads A itself
     static constexpr int TRANSPOSE_WARPS = 2;
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 x 40 + 256 x 232 <= 64K
     static constexpr int HALF_K = 64;               // k of one TMA box (128 bytes: the swizzle width)
@@ -153,8 +166,15 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     static constexpr int ABS_UNIT_BYTES = UNIT_ABSMAX * (ABS_U8_ ? 1 : 2);
     static constexpr int W_STAGE_BYTES = CONSUMER_WARPS * (UNIT_BYTES + ABS_UNIT_BYTES);
     static constexpr int TOK_STAGES = KBIT_WS_TOK_STAGES;
-    static constexpr int W_STAGES = KBIT_WS_W_STAGES;
-    static constexpr int LUT_BYTES = 4 * Base::LUT_WORDS;
+    static constexpr int W_STAGES = K_BITS_ == 5 ? KBIT_WS_K5_W_STAGES : KBIT_WS_W_STAGES;
+    // k = 5: 16 copies of the 1024-entry table (64 KB; lanes l, l + 16 share one) where the other configs have 8, so
+    // only 3 weight stages fit. The shared-memory pipe bounds this kernel at k = 5 (section 8): H100, M = 1024, us,
+    // 8 copies / 4 stages -> 16 / 3: 4096 x 14336 181.3 -> 172.6, 8192 x 8192 213.4 -> 204.3, 14336 x 4096 211.5 ->
+    // 203.5; 3 stages alone: no change (180.6, 213.3, 211.8)
+    static constexpr int LUT_COPIES = K_BITS_ == 5 ? KBIT_WS_K5_LUT_COPIES : Base::LUT_COPIES;
+    static constexpr int LUT_WORDS = Base::LUT_ENTRIES * LUT_COPIES * Base::LUT_ENTRY_BYTES / 4;
+    static constexpr int LUT_STRIDE_LOG2 = ilog2(LUT_COPIES * Base::LUT_ENTRY_BYTES);
+    static constexpr int LUT_BYTES = 4 * LUT_WORDS;
     static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 3 * W_STAGES);
     static constexpr int SMEM_BYTES = 1024 /* alignment */ + TOK_STAGES * TOK_HALF_BYTES + LUT_BYTES +
                                       W_STAGES * W_STAGE_BYTES + BAR_BYTES;
@@ -247,33 +267,6 @@ KBIT_WGMMA_RS256_SPEC(__nv_bfloat16, "bf16")
 #undef KBIT_ACC8
 
 // ---------------------------------------------------------------------------------------------
-// A -> A': the k permutation of the tiled weight applied to the tokens (section 1). One thread per
-// (row, 32-block); rows m0 .. m0 + rows of A into rows 0 .. rows of A' ([rows][K_dim], contiguous).
-// ---------------------------------------------------------------------------------------------
-__global__ void kbit_permute_tokens_kernel(const uint16_t* __restrict__ A, uint32_t* __restrict__ A_perm, int rows,
-                                           int K_dim, int lda, int vec_ok) {
-    const int blocks = K_dim / BLOCK_ELEMS;
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)rows * blocks) return;
-    const int r = (int)(idx / blocks), b = (int)(idx % blocks);
-    const uint16_t* src = A + (long long)r * lda + b * BLOCK_ELEMS;
-    uint32_t w[16];
-    if (vec_ok) {
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + c);
-            w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 16; i++) w[i] = (uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 16);
-    }
-    uint4* dst = reinterpret_cast<uint4*>(A_perm + ((long long)r * K_dim + b * BLOCK_ELEMS) / 2);
-#pragma unroll
-    for (int wd = 0; wd < 4; wd++) dst[wd] = make_uint4(w[wd], w[4 + wd], w[8 + wd], w[12 + wd]); // new 4wd + t = old 4t + wd
-}
-
-// ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
 template <class Cfg> struct WsSmem {
@@ -284,7 +277,7 @@ template <class Cfg> struct WsSmem {
     __device__ __forceinline__ uint32_t t_empty(int s) const { return bar + 8 * (Cfg::TOK_STAGES + s); }
     __device__ __forceinline__ uint32_t w_full(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + s); }
     __device__ __forceinline__ uint32_t w_empty(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + Cfg::W_STAGES + s); }
-    // weight slot s transposed (Cfg::TRANSPOSE): what the consumers wait for instead of w_full
+    // weight slot s transposed (section 8): what the consumers wait for
     __device__ __forceinline__ uint32_t w_ready(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + 2 * Cfg::W_STAGES + s); }
 };
 
@@ -312,7 +305,7 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
         __syncwarp();
         // the transposer's stores into this slot (generic proxy), seen through w_empty, before the copies (async proxy);
         // a fence per transposer lane and k-step instead cost 1% (H100, 4096 x 14336 M = 1024, k = 4)
-        if (Cfg::TRANSPOSE && lane < 16) fence_proxy_async_shared();
+        if (lane < 16) fence_proxy_async_shared();
         if (lane < 16) bulk_copy_g2s(sm.w_slot(ws) + dst_off, g_src + (long long)i * src_step, src_step, sm.w_full(ws));
     }
 }
@@ -375,30 +368,82 @@ __device__ __forceinline__ void quad_transpose_block(uint32_t* w, const QuadTran
     }
 }
 
-// warps 10, 11 (Cfg::TRANSPOSE): for each k-step, transpose units tw, tw + 2, ... of its weight slot in place once the
+// Odd k (kbit_gemm.cuh, TiledFormat::field_slot): a lane's stream is two halves c of K_BITS words, each two subs d
+// of 2 K_BITS bytes (sub 0 = words 0 .. MW - 1 and the low halfword of word MW, sub 1 = its high halfword and words
+// MW + 1 .. 2 MW, MW = (K_BITS - 1) / 2), and sub (c, d) holds the 4 blocks' items of pair p = 2c + d. The same
+// 4 x 4 transpose then moves whole words: round 1 (xor 2) swaps half 1 - a for the partner's half a; round 2 (xor 1)
+// sends sub 1 - b of both halves, already shifted into the neighbour's sub b position (16-bit funnel shifts), and
+// takes the neighbour's into its own sub 1 - b. k = 3: 6 SHFL + 24 selects/permutes per unit (the even-k block
+// permutes: 16 and 36 per unit at k = 2, 4); k = 5: 10 + 40.
+template <int K_BITS> __device__ __forceinline__ void quad_transpose_halves(uint32_t* w, bool a, bool b) {
+    constexpr int HW = K_BITS, MW = (K_BITS - 1) / 2; // words per half; the word split between its subs
+#pragma unroll
+    for (int j = 0; j < HW; j++) { // round 1: lanes t, t ^ 2
+        const uint32_t r = __shfl_xor_sync(0xffffffffu, a ? w[j] : w[HW + j], 2);
+        w[j] = a ? r : w[j];
+        w[HW + j] = a ? w[HW + j] : r;
+    }
+    uint32_t f[2][MW]; // round 2: lanes t, t ^ 1; sub 1 - b in the neighbour's sub b position
+#pragma unroll
+    for (int c = 0; c < 2; c++)
+#pragma unroll
+        for (int i = 0; i < MW; i++) {
+            const uint32_t* h = w + c * HW;
+            f[c][i] = __shfl_xor_sync(0xffffffffu, __funnelshift_r(b ? h[i] : h[MW + i], b ? h[i + 1] : h[MW + i + 1], 16), 1);
+        }
+    const uint32_t half = __shfl_xor_sync(0xffffffffu, __byte_perm(b ? w[0] : w[2 * MW], b ? w[HW] : w[HW + 2 * MW],
+                                                                   b ? 0x5410u : 0x7632u), 1);
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        uint32_t* h = w + c * HW;
+#pragma unroll
+        for (int i = 0; i < MW; i++) {
+            h[i] = b ? f[c][i] : h[i];
+            h[MW + 1 + i] = b ? h[MW + 1 + i] : f[c][i];
+        }
+        h[MW] = __byte_perm(h[MW], half, b ? (c ? 0x3276u : 0x3254u) : (c ? 0x7610u : 0x5410u));
+    }
+}
+
+// warps 10, 11: for each k-step, transpose units tw, tw + 2, ... of its weight slot in place once the
 // bulk copies landed, then arrive on w_ready (the weight producer fences the async proxy before it refills the slot).
-// The four units of a warp in one unrolled loop: 2.4% faster than one at a time (H100, 4096 x 14336 M = 1024, k = 4)
+// Batches of units: all loads, then the exchanges (independent chains the scheduler interleaves), then all stores;
+// as many units as 40 registers hold without spilling (ptxas: 16-24 bytes of spills at 24 lane words for k = 3, 5,
+// at 16 for k = 4; a spilling k = 4 batch of two cost 3% against one unit at a time)
+template <class Cfg>
+__device__ __forceinline__ void transpose_unit(uint32_t* w, const QuadTransposeSel& q, bool a, bool b) {
+    constexpr int K_BITS = Cfg::Fmt::LANE_WORDS / 2;
+    if constexpr (K_BITS % 2 == 0) {
+#pragma unroll
+        for (int blk = 0; blk < UNIT_BLOCKS; blk++) quad_transpose_block<K_BITS>(w + blk * (K_BITS / 2), q, a);
+    } else {
+        quad_transpose_halves<K_BITS>(w, a, b);
+    }
+}
 template <class Cfg>
 __device__ __forceinline__ void ws_transpose_weights(const WsSmem<Cfg>& sm, int n_steps, int tw, int lane) {
     using F = typename Cfg::Fmt;
-    constexpr int K_BITS = F::LANE_WORDS / 2, BLOCK_WORDS = K_BITS / 2;
-    static_assert(F::NV4 * 4 == F::LANE_WORDS, "even k: whole 16-byte chunks");
-    static_assert(Cfg::CONSUMER_WARPS % Cfg::TRANSPOSE_WARPS == 0, "every transposer warp the same units");
-    const QuadTransposeSel q = quad_transpose_sel<K_BITS>(lane);
-    const int a = (lane % 4) >> 1;
+    constexpr int K_BITS = F::LANE_WORDS / 2, UNITS = Cfg::CONSUMER_WARPS / Cfg::TRANSPOSE_WARPS;
+    constexpr int BATCH = K_BITS == 2 ? 4 : K_BITS == 3 ? 2 : 1;
+    static_assert(Cfg::CONSUMER_WARPS % Cfg::TRANSPOSE_WARPS == 0 && UNITS % BATCH == 0, "every warp the same units");
+    const QuadTransposeSel q = quad_transpose_sel<K_BITS % 2 == 0 ? K_BITS : 2>(lane);
+    const bool a = (lane & 2) != 0, b = (lane & 1) != 0;
     for (int i = 0; i < n_steps; i++) {
         const int ws = i % Cfg::W_STAGES;
         mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
 #pragma unroll
-        for (int j = 0; j < Cfg::CONSUMER_WARPS / Cfg::TRANSPOSE_WARPS; j++) { // units tw, tw + 2, ...
-            const uint32_t s_unit = sm.w_slot(ws) + (tw + j * Cfg::TRANSPOSE_WARPS) * Cfg::UNIT_BYTES;
-            uint32_t w[F::LANE_WORDS];
-            lds_unit_words<Cfg>(w, s_unit, lane);
+        for (int j0 = 0; j0 < UNITS; j0 += BATCH) {
+            uint32_t w[BATCH][F::LANE_WORDS];
+            const uint32_t s_unit = sm.w_slot(ws) + (tw + j0 * Cfg::TRANSPOSE_WARPS) * Cfg::UNIT_BYTES; // units tw, tw + 2, ..
+            constexpr uint32_t UNIT_STEP = Cfg::TRANSPOSE_WARPS * Cfg::UNIT_BYTES;
 #pragma unroll
-            for (int blk = 0; blk < UNIT_BLOCKS; blk++) quad_transpose_block<K_BITS>(w + blk * BLOCK_WORDS, q, a);
+            for (int j = 0; j < BATCH; j++) lds_unit_words<Cfg>(w[j], s_unit + j * UNIT_STEP, lane);
+#ifndef KBIT_PROBE_WS_NO_TRANSPOSE_MATH // timing probe only (wrong results): the loads and stores alone
 #pragma unroll
-            for (int c = 0; c < F::NV4; c++)
-                sts128(s_unit + 4 * (c * 128 + lane * 4), make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]));
+            for (int j = 0; j < BATCH; j++) transpose_unit<Cfg>(w[j], q, a, b);
+#endif
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) sts_unit_words<Cfg>(w[j], s_unit + j * UNIT_STEP, lane);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(sm.w_ready(ws));
@@ -421,7 +466,7 @@ __device__ __forceinline__ void ws_fetch_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WOR
                                               uint32_t (&raw)[2][2][4], const WsSmem<Cfg>& sm, int i, uint32_t lane_off,
                                               int warp, int lane) {
     const int ws = i % Cfg::W_STAGES;
-    mbar_wait(Cfg::TRANSPOSE ? sm.w_ready(ws) : sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
+    mbar_wait(sm.w_ready(ws), (i / Cfg::W_STAGES) & 1);
     ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
 #ifndef KBIT_PROBE_WS_NO_DEQUANT
     lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
@@ -536,8 +581,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
         if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
         if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0) ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps);
-        if constexpr (Cfg::TRANSPOSE)
-            if (warp >= Cfg::CONSUMER_WARPS + 2) ws_transpose_weights<Cfg>(sm, n_steps, warp - Cfg::CONSUMER_WARPS - 2, lane);
+        if (warp >= Cfg::CONSUMER_WARPS + 2) ws_transpose_weights<Cfg>(sm, n_steps, warp - Cfg::CONSUMER_WARPS - 2, lane);
         return;
     }
     KBIT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::CONSUMER_REGS));
@@ -569,7 +613,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side: the tensor map of A' (cuTensorMapEncodeTiled through the runtime's driver entry point,
+// Host side: the tensor map of A (cuTensorMapEncodeTiled through the runtime's driver entry point,
 // so the library needs no -lcuda)
 // ---------------------------------------------------------------------------------------------
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -588,7 +632,7 @@ static EncodeTiledFn encode_tiled_fn() {
     return s_fn;
 }
 
-// tokens [rows][K_dim] 16-bit with row stride ld elements (A' or, for even k, A itself: 16-byte aligned, ld % 8 == 0),
+// tokens [rows][K_dim] 16-bit with row stride ld elements (16-byte aligned, ld % 8 == 0),
 // boxes of 64 k x 256 rows with the 128-byte swizzle; out-of-range rows and k read as 0
 static bool make_token_map(CUtensorMap* map, const void* tokens, int rows, int K_dim, long long ld, int tok) {
     const EncodeTiledFn fn = encode_tiled_fn();

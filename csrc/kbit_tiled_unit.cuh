@@ -90,7 +90,8 @@ template <int K_BITS, bool ABS_U8>
 __device__ __forceinline__ uint32_t pair_lut_index(const UnitRegs<K_BITS, ABS_U8>& r, int blk, int half, int pr) {
     using F = TiledFormat<K_BITS>;
     const int q = 4 * (2 * blk + (pr >> 1)) + (half | ((pr & 1) << 1));
-    const int w = q * F::FIELD_BITS / 32, b = q * F::FIELD_BITS % 32; // field bit 0 = bit b of word w
+    const int pos = F::field_slot(q) * F::FIELD_BITS;
+    const int w = pos / 32, b = pos % 32; // field bit 0 = bit b of word w
     uint32_t e = r.w[w] >> b;
     if (b + F::FIELD_BITS > 32) e |= r.w[w + 1] << (32 - b); // straddles two words (k = 3, 5)
     return e & ((1u << F::FIELD_BITS) - 1);

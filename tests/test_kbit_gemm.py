@@ -68,6 +68,25 @@ def test_repack_round_trip_bit_exact(k, N, K_dim, absmax_dtype):
     assert torch.equal(p2, packed) and torch.equal(a2.view(torch.uint8), absmax.view(torch.uint8))
 
 
+@pytest.mark.parametrize("k", [3, 5])
+def test_tiled_layout_odd_k_subs(k):
+    """Odd k: a lane's stream is 4 subs of 16k bits, sub 2c + d holding pair p = 2c + d of the 4 blocks in block
+    order (rows g, g + 8 of a pair adjacent): the pieces config 7's in-kernel transpose moves between lanes whole."""
+    src_row, src_k, _ = tiled_layout._unit_bit_sources(k)
+    lane_words, nv4 = 2 * k, (2 * k) // 4
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for lw in range(lane_words):
+            off = (lw // 4) * 128 + lane * 4 + lw % 4 if lw < 4 * nv4 else nv4 * 128 + lane * 2 + (lw - 4 * nv4)
+            for bit in range(32):
+                pos = 32 * lw + bit
+                blk, kk = divmod(int(src_k[off, bit]), 32)
+                assert kk // 8 == t, (lane, pos)
+                assert (kk % 8) // 2 == pos // (16 * k), f"lane {lane} stream bit {pos}: pair {(kk % 8) // 2}"
+                item, within = divmod(pos % (16 * k), 4 * k)
+                assert item == blk and int(src_row[off, bit]) == g + 8 * (within // (2 * k)), (lane, pos)
+
+
 @pytest.mark.parametrize("k", KS)
 def test_default_gemm_matches_reference(k):
     N, K_dim = 40, 96
@@ -309,10 +328,10 @@ def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
 
 @pytest.mark.cuda
 @requires_hopper
-def test_cuda_gemm_warp_specialised_chunks_and_graph():
-    """Config 7 (Hopper, sm_90a build): M cut into several permuted-token chunks (K = 14336 fits 2304 tokens
-    per chunk), and the dispatcher's large-M choice for a wide weight (config 7: permute, tensor map, kernel)
-    captured in a CUDA graph with out= and replayed on new data."""
+def test_cuda_gemm_warp_specialised_large_m_and_graph():
+    """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one) for odd k,
+    and the dispatcher's large-M choice for a wide weight (config 7: tensor map, kernel) captured in a CUDA graph with
+    out= and replayed on new data."""
     run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
     run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
     N, K_dim, k, M = 14336, 1024, 4, 512
@@ -338,16 +357,15 @@ def test_cuda_gemm_warp_specialised_chunks_and_graph():
 @requires_hopper
 @pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_warp_specialised_split_k(k):
-    """Config 7 split along k where its tiles leave SMs idle: uneven splits (49 k-steps in 25 + 24), splits in
-    every permuted-token chunk (planned for 1000 SMs: 3 splits of 38, 38, 36 k-steps per chunk, the last
-    chunk 8 tiles), bias and bf16; the dispatcher's own choice (a deep weight at M = 256) twice in a row
-    gives the same bits (the tile counters reset themselves, the slots are summed in split order). Without k
-    splits, a partial last wave runs its tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6 split, 17
-    k-steps in 9 + 8), and 72 tiles per token chunk on 30 SMs (the first chunk's last 12 split, 56 + 56)."""
+    """Config 7 split along k where its tiles leave SMs idle: uneven splits (49 k-steps in 25 + 24), 80 tiles
+    planned for 1000 SMs (4 splits of 28 k-steps), bias and bf16; the dispatcher's own choice (a deep weight at
+    M = 256) twice in a row gives the same bits (the tile counters reset themselves, the slots are summed in split
+    order). Without k splits, a partial last wave runs its tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6
+    split, 17 k-steps in 9 + 8), and 80 tiles on 37 SMs (the last 6 split, 56 + 56)."""
     run_case(300, 1000, 6272, k, torch.bfloat16, bias=True, config=7)
     run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=1000)
     run_case(1000, 1000, 2080, k, torch.bfloat16, bias=True, config=7, sm_count=13)
-    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=30)
+    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=37)
     out = run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0)
     assert torch.equal(out, run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0))
 
@@ -356,15 +374,15 @@ def test_cuda_gemm_warp_specialised_split_k(k):
 @requires_hopper
 @pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_warp_specialised_token_strides(k):
-    """Config 7's tokens come from A itself for even k (the kernel transposes the weight fields instead) and from a
-    permuted copy for odd k: a padded row stride (lda = K + 32, read by the tensor map as it is), and views the op
-    copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference, output poisoned."""
+    """Config 7's tokens come from A itself (the kernel transposes the weight fields instead): a padded row stride
+    (lda = K + 32, read by the tensor map as it is), and views the op copies first (lda % 8 != 0; a base 2 bytes off
+    16), each against the reference, output poisoned."""
     from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
 
     from bitsandbytes_kbit.backends.cuda.ops import get_lib
 
-    # the workspace is sized the same for every k (odd k also holds the permuted tokens), so a cached workspace does
-    # not grow, and free what an earlier graph captured, when a call of another k follows
+    # the workspace is sized the same for every k, so a cached workspace does not grow, and free what an earlier
+    # graph captured, when a call of another k follows
     sizing = get_lib().ckbit_gemm_workspace_bytes
     sizing.restype, sizing.argtypes = ctypes.c_size_t, [ctypes.c_int] * 5
     for M_ in (256, 1024, 2048):

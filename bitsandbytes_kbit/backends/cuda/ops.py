@@ -163,7 +163,7 @@ def _sm_count(device_index: int) -> int:
 # tile counters reset themselves). It grows only outside CUDA-graph capture; a call that needs
 # more than it has while capturing gets fewer k-splits (the dispatcher falls back), never an
 # allocation.
-# It grows to what a call needs: at most ~96 MiB (config 7: permuted tokens + split-K tiles, csrc/kbit_gemm.cu).
+# It grows to what a call needs: at most ~32 MiB of split-K tiles (csrc/kbit_gemm.cu, MAX_WORKSPACE_BYTES).
 _MIN_WORKSPACE_BYTES = 8 << 20
 _workspaces: dict[int, torch.Tensor] = {}
 
