@@ -49,7 +49,8 @@ static bool check_launch(const char* what) {
 #define KBIT_WGMMA_TABLE(X)                                                                                          \
     X(6, 64, 1, 16) /* M > 32 on sm_90a: 256 rows x 64 tokens, 4 warpgroups; replaces the wide config */
 // warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
-// tokens, producer warps (bulk copies of the weights, TMA of A, the weight transpose) and 2 consumer warpgroups
+// tokens, producer warps (bulk copies of the weights, TMA of the tokens, the weight transpose) and 2 consumer
+// warpgroups; k = 5 reads the tokens through a permuted copy instead of transposing the weights
 constexpr int WS_CONFIG = 7;
 constexpr int NUM_CONFIGS = 10;
 constexpr int WARPS_K_CONFIG_OFFSET = 6; // configs 8, 9 = configs 2, 3 with two warps along k
@@ -204,6 +205,18 @@ struct Dispatch {
     int k_splits;
 };
 
+// k = 5 permutes the tokens (kbit_gemm_wgmma_ws.cuh sections 1 and 8: its weight transpose measured slower where N is
+// large), k = 2..4 transpose the weights in the kernel
+static bool ws_permuted_tokens(int k_bits) { return k_bits == 5; }
+// config 7: rows of A per permuted-token chunk (whole 256-token tiles, at most WS_TOKEN_BYTES of A')
+static int ws_token_rows(int M, int K_dim, int k_bits) {
+    if (!ws_permuted_tokens(k_bits)) return ceil_div(M, 256) * 256; // one launch: the tensor map reads A itself
+    const long long fit = (long long)(WS_TOKEN_BYTES / ((size_t)K_dim * 2)) / 256 * 256;
+    const long long rows = (long long)ceil_div(M, 256) * 256;
+    return (int)(rows < (fit < 256 ? 256 : fit) ? rows : (fit < 256 ? 256 : fit));
+}
+static size_t ws_token_bytes(int M, int K_dim, int k_bits) { return (size_t)ws_token_rows(M, K_dim, k_bits) * K_dim * 2; }
+
 static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_splits) {
     if (k_splits <= 1) return 0;
     const long long n_ctas = ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n);
@@ -255,8 +268,11 @@ constexpr int WS_MIN_M = 129;
 constexpr int WS_MAX_M = 2048;
 constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
 constexpr long long WS_LARGE_WEIGHT = 1LL << 27; // 134M elements: 28672 x 8192 and 8192 x 28672, not 8192 x 8192
-// Config 7 tiles: 128 rows x 256 tokens
-static long long ws_tiles(int M, int N) { return (long long)ceil_div(N, 128) * ceil_div(M, 256); }
+// Config 7 tiles of one launch (one chunk of M, ws_token_rows)
+static long long ws_tiles(int M, int N, int K_dim, int k_bits) {
+    const int rows = ws_token_rows(M, K_dim, k_bits);
+    return (long long)ceil_div(N, 128) * ceil_div(M < rows ? M : rows, 256);
+}
 // Config 7 split along k where its tiles leave SMs idle: as many splits as fit one CTA per SM, each of at least
 // WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (128 KB
 // of fp32 each) through the workspace slots of kbit_gemm.cuh section 5. H100, k = 4, us, paths interleaved
@@ -283,43 +299,48 @@ static int ws_tail_tiles(long long tiles, int k_steps, int sm_count) {
     const long long tail = tiles % sms;
     return tiles > sms && tail > 0 && 2 * tail <= sms && k_steps >= 2 * WS_MIN_SPLIT_STEPS / 3 ? (int)tail : 0;
 }
-static size_t ws_partial_bytes(int M, int N, int K_dim, int k_splits, int sm_count) {
-    const long long tiles = ws_tiles(M, N);
-    if (k_splits > 1) return (size_t)k_splits * tiles * WS_TILE_BYTES;
-    return (size_t)ws_tail_tiles(tiles, ceil_div(K_dim, UNIT_K), sm_count) * 2 * WS_TILE_BYTES;
+static size_t ws_partial_bytes(int M, int N, int K_dim, int k_bits, int k_splits, int sm_count) {
+    if (k_splits > 1) return (size_t)k_splits * ws_tiles(M, N, K_dim, k_bits) * WS_TILE_BYTES;
+    const int rows = ws_token_rows(M, K_dim, k_bits), k_steps = ceil_div(K_dim, UNIT_K);
+    const long long n_tiles = ceil_div(N, 128), last_rows = M - (long long)(ceil_div(M, rows) - 1) * rows;
+    const int tail = max(ws_tail_tiles(n_tiles * ceil_div(M < rows ? M : rows, 256), k_steps, sm_count),
+                         ws_tail_tiles(n_tiles * ceil_div(last_rows, 256), k_steps, sm_count)); // full, last chunk
+    return (size_t)tail * 2 * WS_TILE_BYTES;
 }
-static int ws_splits(int M, int N, int K_dim, int sm_count) {
-    const long long tiles = ws_tiles(M, N);
+static int ws_splits(int M, int N, int K_dim, int k_bits, int sm_count) {
+    const long long tiles = ws_tiles(M, N, K_dim, k_bits);
     const int k_steps = ceil_div(K_dim, UNIT_K);
     const long long sms = sm_count > 0 ? sm_count : 1;
     if (tiles >= sms || tiles > MAX_SPLIT_CTAS) return 1;
     long long splits = sms / tiles;
     if (splits > k_steps / WS_MIN_SPLIT_STEPS) splits = k_steps / WS_MIN_SPLIT_STEPS;
     if (splits > MAX_SPLITS) splits = MAX_SPLITS;
-    while (splits > 1 && ws_partial_bytes(M, N, K_dim, (int)splits, sm_count) > MAX_WORKSPACE_BYTES) splits--;
+    while (splits > 1 && ws_partial_bytes(M, N, K_dim, k_bits, (int)splits, sm_count) > MAX_WORKSPACE_BYTES) splits--;
     if (splits <= 1) return 1;
     return ceil_div(k_steps, ceil_div(k_steps, splits)); // the last split is never empty
 }
-// counters and the partial tiles (k splits, or the halves of a split last wave); 0 when neither is needed
-static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_count) {
-    const size_t partial = ws_partial_bytes(M, N, K_dim, k_splits, sm_count);
-    return partial == 0 ? 0 : COUNTER_REGION_BYTES + partial;
+// counters, the partial tiles (k splits, or the halves of a split last wave), then the permuted tokens (k = 5; the
+// others transpose the weights in the kernel instead, kbit_gemm_wgmma_ws.cuh section 8); 0 when none is needed
+static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_bits, int k_splits, int sm_count) {
+    const size_t partial = ws_partial_bytes(M, N, K_dim, k_bits, k_splits, sm_count);
+    const size_t tokens = ws_permuted_tokens(k_bits) ? ws_token_bytes(M, K_dim, k_bits) : 0;
+    return partial + tokens == 0 ? 0 : COUNTER_REGION_BYTES + partial + tokens;
 }
-static bool ws_config_fits(int M, int N, int K_dim, int sm_count) {
+static bool ws_config_fits(int M, int N, int K_dim, int k_bits, int sm_count) {
     if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
     if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT) return false;
-    const long long ctas = ws_tiles(M, N) * ws_splits(M, N, K_dim, sm_count);
+    const long long ctas = ws_tiles(M, N, K_dim, k_bits) * ws_splits(M, N, K_dim, k_bits, sm_count);
     return 4 * ctas >= 3LL * (sm_count > 0 ? sm_count : 1);
 }
 // The staged path (dequantize + cuBLAS, backends/cuda/ops.py) above 256 tokens, unless config 7 takes the call
 constexpr int FUSED_MAX_M = 256;
-static bool staged_preferred(int M, int N, int K_dim, int sm_count) {
-    return M > FUSED_MAX_M && !ws_config_fits(M, N, K_dim, sm_count);
+static bool staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {
+    return M > FUSED_MAX_M && !ws_config_fits(M, N, K_dim, k_bits, sm_count);
 }
 
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1;
-    if (ws_config_fits(M, N, K_dim, sm_count)) return Dispatch{WS_CONFIG, ws_splits(M, N, K_dim, sm_count)};
+    if (ws_config_fits(M, N, K_dim, k_bits, sm_count)) return Dispatch{WS_CONFIG, ws_splits(M, N, K_dim, k_bits, sm_count)};
     const auto tiles = [&](int config) {
         const ConfigInfo c = config_info(config);
         return (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m());
@@ -503,11 +524,13 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
     check_launch("ckbit_gemm wgmma");
 }
 
-// config 7: encode the tensor map of A, launch one CTA per (128-row, 256-token) tile and k split, m tile fastest, then
-// the split tiles of a partial last wave (section 7 of kbit_gemm_wgmma_ws.cuh)
+// config 7 per chunk of M (ws_token_rows): for k = 5 permute the chunk's tokens into the workspace (after the counter
+// region, which stays zero and the partial tiles), else read A itself (one chunk); encode the tensor map, launch
+// one CTA per (128-row, 256-token) tile and k split, m tile fastest
 template <class Cfg, typename T>
 static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, size_t workspace_bytes, int sm_count,
                             cudaStream_t stream) {
+    constexpr int K_BITS = Cfg::Fmt::LANE_WORDS / 2;
     if (!wgmma_available()) {
         set_error("ckbit_gemm", "the wgmma configs need a compute capability 9.0 GPU and a library built for sm_90a");
         return;
@@ -515,24 +538,48 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
     static bool s_attr_set[64] = {};
     if (!prepare_launch(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, k_splits, "wgmma-ws"))
         return;
-    const size_t need = ws_workspace_bytes(p.M, p.N, p.K_dim, k_splits, sm_count);
+    const int rows_chunk = ws_token_rows(p.M, p.K_dim, K_BITS);
+    const size_t need = ws_workspace_bytes(p.M, p.N, p.K_dim, K_BITS, k_splits, sm_count);
     if (need > 0 && (workspace == nullptr || workspace_bytes < need)) {
         set_error("ckbit_gemm", "config 7 needs a workspace of ckbit_gemm_workspace_bytes");
         return;
     }
-    p.counters = reinterpret_cast<int*>(workspace);
-    p.partials = need > 0 ? reinterpret_cast<float*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES) : nullptr;
-    CUtensorMap map;
-    if (!make_token_map(&map, p.A, p.M, p.K_dim, p.lda, Cfg::TOK)) {
-        set_error("ckbit_gemm", "cuTensorMapEncodeTiled failed for the tokens");
+    if (!Cfg::TRANSPOSE != ws_permuted_tokens(K_BITS)) {
+        set_error("ckbit_gemm", "config 7: token permutation and weight transpose disagree");
         return;
     }
-    const int tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS) * ceil_div(p.M, Cfg::TOK);
-    const int tail = k_splits > 1 ? 0 : ws_tail_tiles(tiles, p.k_steps, sm_count);
-    p.ws_tail_from = tiles - tail;
-    const dim3 grid(tiles + tail, k_splits);
-    kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(p, map);
-    check_launch("ckbit_gemm wgmma-ws");
+    p.counters = reinterpret_cast<int*>(workspace);
+    p.partials = need > 0 ? reinterpret_cast<float*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES) : nullptr;
+    uint32_t* A_perm = need > 0 ? reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES +
+                                                              ws_partial_bytes(p.M, p.N, p.K_dim, K_BITS, k_splits, sm_count))
+                                : nullptr;
+    for (int m0 = 0; m0 < p.M; m0 += rows_chunk) {
+        const int rows = p.M - m0 < rows_chunk ? p.M - m0 : rows_chunk;
+        const void* tokens = reinterpret_cast<const uint16_t*>(p.A) + (long long)m0 * p.lda;
+        long long ld = p.lda;
+        if (!Cfg::TRANSPOSE) {
+            const long long threads = (long long)rows * (p.K_dim / BLOCK_ELEMS);
+            kbit_permute_tokens_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, stream>>>(
+                reinterpret_cast<const uint16_t*>(tokens), A_perm, rows, p.K_dim, p.lda, p.a_vec_ok);
+            if (!check_launch("ckbit_gemm permute tokens")) return;
+            tokens = A_perm;
+            ld = p.K_dim;
+        }
+        CUtensorMap map;
+        if (!make_token_map(&map, tokens, rows, p.K_dim, ld, Cfg::TOK)) {
+            set_error("ckbit_gemm", "cuTensorMapEncodeTiled failed for the tokens");
+            return;
+        }
+        KbitGemmParams q = p;
+        q.M = rows;
+        q.C = reinterpret_cast<char*>(p.C) + (long long)m0 * p.N * (long long)sizeof(T);
+        const int tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS) * ceil_div(rows, Cfg::TOK);
+        const int tail = k_splits > 1 ? 0 : ws_tail_tiles(tiles, p.k_steps, sm_count);
+        q.ws_tail_from = tiles - tail;
+        const dim3 grid(tiles + tail, k_splits);
+        kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(q, map);
+        if (!check_launch("ckbit_gemm wgmma-ws")) return;
+    }
 }
 
 template <int K_BITS, typename T, bool ABS_U8>
@@ -558,7 +605,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
             return;
         }
         d.config = config_override;
-        d.k_splits = d.config == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count)
+        d.k_splits = d.config == WS_CONFIG ? ws_splits(M, N, K_dim, K_BITS, sm_count)
                                            : choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
@@ -566,12 +613,12 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     if (d.config == WS_CONFIG) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
-        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, d.k_splits, sm_count) > workspace_bytes) d.k_splits--;
-        const size_t need = ws_workspace_bytes(M, N, K_dim, 1, sm_count);
+        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, K_BITS, d.k_splits, sm_count) > workspace_bytes) d.k_splits--;
+        const size_t need = ws_workspace_bytes(M, N, K_dim, K_BITS, 1, sm_count);
         const bool a_tma_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
-        // no room for a split last wave (a workspace grown before, under capture), or an A the tensor map cannot read
-        // (the op copies such views to contiguous first): config 6
-        if ((need > 0 && (workspace == nullptr || workspace_bytes < need)) || !a_tma_ok) {
+        // no room for the permuted tokens or a split last wave (a workspace grown before, under capture), or (k < 5)
+        // an A the tensor map cannot read directly (the op copies such views to contiguous first): config 6
+        if ((need > 0 && (workspace == nullptr || workspace_bytes < need)) || (!ws_permuted_tokens(K_BITS) && !a_tma_ok)) {
             d.config = FIRST_WGMMA_CONFIG;
             d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
         }
@@ -627,10 +674,10 @@ static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count)
         const size_t b = workspace_bytes_for(config_info(c), M, N, choose_splits(config_info(c), M, N, K_dim, sm_count));
         if (b > worst) worst = b;
     }
-    // config 7's partial tiles (the same for every k: a cached workspace never grows between calls of different k, so
-    // a CUDA graph captured with it keeps its address)
-    if (wgmma_available()) {
-        const size_t ws = ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count), sm_count);
+    // config 7's partial tiles and (k = 5) permuted tokens, sized for every k: a cached workspace then never grows
+    // between calls of different k (a CUDA graph captured with it keeps its address)
+    for (int kb = 2; kb <= 5 && wgmma_available(); kb++) {
+        const size_t ws = ws_workspace_bytes(M, N, K_dim, kb, ws_splits(M, N, K_dim, kb, sm_count), sm_count);
         if (ws > worst) worst = ws;
     }
     (void)k_bits;
@@ -685,8 +732,7 @@ int ckbit_gemm_num_configs(void) { return kbit::NUM_CONFIGS; }
 
 // 1 when the dispatcher wants the staged path (dequantize + cuBLAS) for this call on the current device
 int ckbit_gemm_staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {
-    (void)k_bits;
-    return kbit::staged_preferred(M, N, K_dim, sm_count) ? 1 : 0;
+    return kbit::staged_preferred(M, N, K_dim, k_bits, sm_count) ? 1 : 0;
 }
 
 int ckbit_gemm_config_available(int config) { return kbit::config_available(config) ? 1 : 0; }

@@ -17,11 +17,14 @@
 //        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
 //        in the main loop.
 //    The TMA cannot permute 4-byte words, and the tiled weight permutes k inside each 32-block
-//    (kbit_gemm.cuh section 3). Two more warps of the producer warpgroup undo that on the weight side instead: they
-//    transpose each unit's fields among the lanes of a quad in shared memory (section 8), so the TMA reads A itself
-//    and a call is one kernel. (Until the odd-k transpose, k = 3 and 5 first copied the tokens into a permuted
-//    buffer A' with a separate kernel: one read and one write of A at ~2 TB/s, 9-15% of a call; H100, M = 1024,
-//    9 us for K = 4096, 29 us for K = 14336 next to a 160 us GEMM; torch.profiler, dev/probe_kernel_split.py.)
+//    (kbit_gemm.cuh section 3). For k = 2..4 two more warps of the producer warpgroup undo that on the weight side
+//    instead: they transpose each unit's fields among the lanes of a quad in shared memory (section 8), so the TMA
+//    reads A itself and a call is one kernel. For k = 5 (where that transpose measured slower on wide weights,
+//    section 8) the tokens are first copied once into a permuted buffer A' (the workspace, at most WS_TOKEN_BYTES: M
+//    is cut into chunks of whole 256-token tiles) by kbit_permute_tokens_kernel: new word 4w + t of a block = old
+//    word 4t + w (a 4 x 4 transpose of 32-bit words). That copy is one read and one write of A at ~2 TB/s: H100,
+//    M = 1024, 9 us for K = 4096 but 29 us for K = 14336 next to a 160 us GEMM (torch.profiler,
+//    dev/probe_kernel_split.py).
 //
 // 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens.
 //          tokens m:  0 ............................ 255
@@ -40,9 +43,9 @@
 //    __syncthreads: the producer warps have returned). H100, k = 4, 8192 x 28672 M = 256: 322.5 us in config 6,
 //    187.7 in config 7 with 2 splits (cuBLAS fp16 183.7).
 //
-// 3. Shared memory (one CTA per SM): the LUT (32 KB; 64 KB at k = 5), TOK_STAGES token half-steps (k 64 wide, 32 KB
-//    each, 1024-aligned for the swizzle), W_STAGES weight k-steps (8 units' words + absmax, as stored in global; 3
-//    at k = 5, 4 otherwise), and 2 mbarriers per token slot, 3 per weight slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
+// 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES token half-steps (k 64 wide, 32 KB each,
+//    1024-aligned for the swizzle), W_STAGES weight k-steps (8 units' words + absmax, as stored in global), and 2
+//    mbarriers per token slot, 3 per weight slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
 //    token producer token slots (2i, 2i + 1) % TOK_STAGES.
 //
 // 4. Consumer loop per k-step: wait w_full, load this warp's unit (LDS) and release the weight slot
@@ -95,23 +98,26 @@
 //    14336 x 4096 M = 1024 233.2 / 233.6 -> 224.9 / 229.6 (cuBLAS 338 and 165): less than the wave count
 //    promises (3.5 waves for 4), so the waves are not all of the story there.
 //
-// 8. The weights transposed in the kernel, the tokens not permuted. The weight producer's slot is read by warps 10
-//    and 11 once its copies land: each lane loads its words of 4 units, exchanges fields with the other lanes of its
-//    quad so that lane t holds the pairs at k 2t + 8j the wgmma register fragment wants, stores them back and arrives
-//    on "w_ready", which the consumers wait on instead of "full". Even k: two shuffle rounds and byte permutes per
-//    block (QuadTransposeSel). Odd k: 6- and 10-bit fields straddle words, so the tiled layout orders a lane's fields
-//    for this exchange (TiledFormat::field_slot: halves and subs that move as whole words and halfwords) and the
-//    exchange is two shuffle rounds over the whole unit (quad_transpose_halves).
+// 8. k = 2..4: the weights transposed in the kernel, the tokens not permuted. The weight producer's slot is read by
+//    warps 10 and 11 once its copies land: each lane loads its words of 4 units, exchanges fields with the other lanes
+//    of its quad so that lane t holds the pairs at k 2t + 8j the wgmma register fragment wants, stores them back and
+//    arrives on "w_ready", which the consumers wait on instead of "full". Even k: two shuffle rounds and byte
+//    permutes per block (QuadTransposeSel). Odd k: 6- and 10-bit fields straddle words, so the tiled layout orders a
+//    lane's fields for this exchange (TiledFormat::field_slot: halves and subs that move as whole words and
+//    halfwords) and the exchange is two shuffle rounds over the whole unit (quad_transpose_halves).
 //    H100, M = 1024, us, the permute kernel + GEMM -> GEMM alone (cuBLAS fp16):
 //      k = 4: 4096 x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3), 14336 x 4096
 //             9.2 + 190.1 -> 192.3 (164.9); k = 2: the GEMM kernel's time unchanged (157.6 -> 158.3 on 4096 x 14336);
-//      k = 3: 28.8 + 158.6 -> 158.2 (153.8), 16.8 + 187.9 -> 187.7 (178.5), 9.3 + 187.6 -> 188.5 (161.0);
-//      k = 5: 28.6 + 159.9 -> 172.6, 16.7 + 190.1 -> 204.3, 9.2 + 190.3 -> 203.5.
-//    At M = 1024 the shared-memory pipe is nearly full: per k-step the wgmmas read 128 KB of tokens, the TMA writes
-//    64 KB, and the LUT reads, the transposer's loads, stores and shuffles and the consumers' unit loads come on
-//    top. k = 5 has the most of the latter (10 words per lane, a 1024-entry LUT with 2-way conflicts at 16 copies,
-//    4-way at 8): its transposer's loads and stores alone cost 6 us (KBIT_PROBE_WS_NO_TRANSPOSE_MATH: 164.7 vs
-//    158.8 without a transposer), the exchanges another 15 at 8 LUT copies; 16 copies took back 9 (KbitWsConfig).
+//      k = 3: 28.8 + 158.6 -> 158.2 (153.8), 16.8 + 187.9 -> 187.7 (178.5), 9.3 + 187.6 -> 188.5 (161.0).
+//    k = 5 keeps the permuted tokens. At M = 1024 the shared-memory pipe is nearly full: per k-step the wgmmas read
+//    128 KB of tokens, the TMA writes 64 KB, and the LUT reads, the transposer's loads, stores and shuffles and the
+//    consumers' unit loads come on top. k = 5 has the most of the latter (10 words per lane, a 1024-entry LUT with
+//    4-way conflicts at its 8 copies): with the transpose its kernel took 28.6 + 159.9 -> 181.3, 16.7 + 190.1 ->
+//    213.4, 9.2 + 190.3 -> 211.5 (the loads and stores alone, KBIT_PROBE_WS_NO_TRANSPOSE_MATH: +6 us); 16 LUT
+//    copies with 3 weight stages took back 9 us (172.6, 204.3, 203.5), but in the benchmark (weights rotated, two
+//    rounds) k = 5 then ran 6-14% behind k = 4 against 1-10% with the permuted tokens, and slower than them on
+//    28672 x 8192 (853 / 859 vs 800 / 789 us) and 8192 x 28672: the transpose costs ~8% of every tile, the permute
+//    a pass over A, so the transpose wins only where N is small (4096 x 14336: 176 / 190 vs 199 / 205).
 //    Measured on the way: a first odd-k version that took each block's 4 items out as numbers, exchanged them with
 //    selects and put them back (~34 instructions per block, the old field order) made the k = 3 kernel 40 us slower
 //    (231.6 vs 184.3 on 8192 x 8192); the load-compute-store order per batch of units (k = 3: 2, k = 2: 4) keeps the
@@ -130,18 +136,14 @@
 
 namespace kbit {
 
+constexpr size_t WS_TOKEN_BYTES = 64u << 20; // k = 5: permuted-token buffer (A') per chunk of M
+
 // pipeline knobs (dev/build_variant.sh); the defaults are the measured choice
 #ifndef KBIT_WS_TOK_STAGES
 #define KBIT_WS_TOK_STAGES 4
 #endif
 #ifndef KBIT_WS_W_STAGES
 #define KBIT_WS_W_STAGES 4
-#endif
-#ifndef KBIT_WS_K5_LUT_COPIES
-#define KBIT_WS_K5_LUT_COPIES 16
-#endif
-#ifndef KBIT_WS_K5_W_STAGES
-#define KBIT_WS_K5_W_STAGES 3
 #endif
 #ifndef KBIT_WS_FRAG_SLOTS
 #define KBIT_WS_FRAG_SLOTS 2
@@ -157,7 +159,9 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     // to the consumers, whose 128 accumulators + fragments need more than the 224 a 288-thread launch allows
     // (there ptxas serialized the wgmmas, C7512)
     static constexpr int WS_THREADS = CONSUMER_THREADS + 128;
-    // warps 10, 11 transpose each weight unit's fields within lane quads (section 8), so the TMA reads A itself
+    // k = 2..4: warps 10, 11 transpose each weight unit's fields within lane quads (section 8), so the TMA reads A
+    // itself; k = 5: the tokens are permuted into A' (section 1)
+    static constexpr bool TRANSPOSE = K_BITS_ != 5;
     static constexpr int TRANSPOSE_WARPS = 2;
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 x 40 + 256 x 232 <= 64K
     static constexpr int HALF_K = 64;               // k of one TMA box (128 bytes: the swizzle width)
@@ -166,15 +170,8 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     static constexpr int ABS_UNIT_BYTES = UNIT_ABSMAX * (ABS_U8_ ? 1 : 2);
     static constexpr int W_STAGE_BYTES = CONSUMER_WARPS * (UNIT_BYTES + ABS_UNIT_BYTES);
     static constexpr int TOK_STAGES = KBIT_WS_TOK_STAGES;
-    static constexpr int W_STAGES = K_BITS_ == 5 ? KBIT_WS_K5_W_STAGES : KBIT_WS_W_STAGES;
-    // k = 5: 16 copies of the 1024-entry table (64 KB; lanes l, l + 16 share one) where the other configs have 8, so
-    // only 3 weight stages fit. The shared-memory pipe bounds this kernel at k = 5 (section 8): H100, M = 1024, us,
-    // 8 copies / 4 stages -> 16 / 3: 4096 x 14336 181.3 -> 172.6, 8192 x 8192 213.4 -> 204.3, 14336 x 4096 211.5 ->
-    // 203.5; 3 stages alone: no change (180.6, 213.3, 211.8)
-    static constexpr int LUT_COPIES = K_BITS_ == 5 ? KBIT_WS_K5_LUT_COPIES : Base::LUT_COPIES;
-    static constexpr int LUT_WORDS = Base::LUT_ENTRIES * LUT_COPIES * Base::LUT_ENTRY_BYTES / 4;
-    static constexpr int LUT_STRIDE_LOG2 = ilog2(LUT_COPIES * Base::LUT_ENTRY_BYTES);
-    static constexpr int LUT_BYTES = 4 * LUT_WORDS;
+    static constexpr int W_STAGES = KBIT_WS_W_STAGES;
+    static constexpr int LUT_BYTES = 4 * Base::LUT_WORDS;
     static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 3 * W_STAGES);
     static constexpr int SMEM_BYTES = 1024 /* alignment */ + TOK_STAGES * TOK_HALF_BYTES + LUT_BYTES +
                                       W_STAGES * W_STAGE_BYTES + BAR_BYTES;
@@ -267,6 +264,33 @@ KBIT_WGMMA_RS256_SPEC(__nv_bfloat16, "bf16")
 #undef KBIT_ACC8
 
 // ---------------------------------------------------------------------------------------------
+// A -> A': the k permutation of the tiled weight applied to the tokens (section 1). One thread per
+// (row, 32-block); rows m0 .. m0 + rows of A into rows 0 .. rows of A' ([rows][K_dim], contiguous).
+// ---------------------------------------------------------------------------------------------
+__global__ void kbit_permute_tokens_kernel(const uint16_t* __restrict__ A, uint32_t* __restrict__ A_perm, int rows,
+                                           int K_dim, int lda, int vec_ok) {
+    const int blocks = K_dim / BLOCK_ELEMS;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)rows * blocks) return;
+    const int r = (int)(idx / blocks), b = (int)(idx % blocks);
+    const uint16_t* src = A + (long long)r * lda + b * BLOCK_ELEMS;
+    uint32_t w[16];
+    if (vec_ok) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + c);
+            w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; i++) w[i] = (uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 16);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(A_perm + ((long long)r * K_dim + b * BLOCK_ELEMS) / 2);
+#pragma unroll
+    for (int wd = 0; wd < 4; wd++) dst[wd] = make_uint4(w[wd], w[4 + wd], w[8 + wd], w[12 + wd]); // new 4wd + t = old 4t + wd
+}
+
+// ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
 template <class Cfg> struct WsSmem {
@@ -277,7 +301,7 @@ template <class Cfg> struct WsSmem {
     __device__ __forceinline__ uint32_t t_empty(int s) const { return bar + 8 * (Cfg::TOK_STAGES + s); }
     __device__ __forceinline__ uint32_t w_full(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + s); }
     __device__ __forceinline__ uint32_t w_empty(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + Cfg::W_STAGES + s); }
-    // weight slot s transposed (section 8): what the consumers wait for
+    // weight slot s transposed (Cfg::TRANSPOSE, section 8): what the consumers wait for instead of w_full
     __device__ __forceinline__ uint32_t w_ready(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + 2 * Cfg::W_STAGES + s); }
 };
 
@@ -305,7 +329,7 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
         __syncwarp();
         // the transposer's stores into this slot (generic proxy), seen through w_empty, before the copies (async proxy);
         // a fence per transposer lane and k-step instead cost 1% (H100, 4096 x 14336 M = 1024, k = 4)
-        if (lane < 16) fence_proxy_async_shared();
+        if (Cfg::TRANSPOSE && lane < 16) fence_proxy_async_shared();
         if (lane < 16) bulk_copy_g2s(sm.w_slot(ws) + dst_off, g_src + (long long)i * src_step, src_step, sm.w_full(ws));
     }
 }
@@ -374,7 +398,7 @@ __device__ __forceinline__ void quad_transpose_block(uint32_t* w, const QuadTran
 // 4 x 4 transpose then moves whole words: round 1 (xor 2) swaps half 1 - a for the partner's half a; round 2 (xor 1)
 // sends sub 1 - b of both halves, already shifted into the neighbour's sub b position (16-bit funnel shifts), and
 // takes the neighbour's into its own sub 1 - b. k = 3: 6 SHFL + 24 selects/permutes per unit (the even-k block
-// permutes: 16 and 36 per unit at k = 2, 4); k = 5: 10 + 40.
+// permutes: 16 and 36 per unit at k = 2, 4); k = 5 would be 10 + 40 (measured, not used: section 8).
 template <int K_BITS> __device__ __forceinline__ void quad_transpose_halves(uint32_t* w, bool a, bool b) {
     constexpr int HW = K_BITS, MW = (K_BITS - 1) / 2; // words per half; the word split between its subs
 #pragma unroll
@@ -405,7 +429,7 @@ template <int K_BITS> __device__ __forceinline__ void quad_transpose_halves(uint
     }
 }
 
-// warps 10, 11: for each k-step, transpose units tw, tw + 2, ... of its weight slot in place once the
+// warps 10, 11 (Cfg::TRANSPOSE): for each k-step, transpose units tw, tw + 2, ... of its weight slot in place once the
 // bulk copies landed, then arrive on w_ready (the weight producer fences the async proxy before it refills the slot).
 // Batches of units: all loads, then the exchanges (independent chains the scheduler interleaves), then all stores;
 // as many units as 40 registers hold without spilling (ptxas: 16-24 bytes of spills at 24 lane words for k = 3, 5,
@@ -466,7 +490,7 @@ __device__ __forceinline__ void ws_fetch_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WOR
                                               uint32_t (&raw)[2][2][4], const WsSmem<Cfg>& sm, int i, uint32_t lane_off,
                                               int warp, int lane) {
     const int ws = i % Cfg::W_STAGES;
-    mbar_wait(sm.w_ready(ws), (i / Cfg::W_STAGES) & 1);
+    mbar_wait(Cfg::TRANSPOSE ? sm.w_ready(ws) : sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
     ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
 #ifndef KBIT_PROBE_WS_NO_DEQUANT
     lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
@@ -581,7 +605,8 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
         if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
         if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0) ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps);
-        if (warp >= Cfg::CONSUMER_WARPS + 2) ws_transpose_weights<Cfg>(sm, n_steps, warp - Cfg::CONSUMER_WARPS - 2, lane);
+        if constexpr (Cfg::TRANSPOSE)
+            if (warp >= Cfg::CONSUMER_WARPS + 2) ws_transpose_weights<Cfg>(sm, n_steps, warp - Cfg::CONSUMER_WARPS - 2, lane);
         return;
     }
     KBIT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::CONSUMER_REGS));
@@ -613,7 +638,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side: the tensor map of A (cuTensorMapEncodeTiled through the runtime's driver entry point,
+// Host side: the tensor map of A or A' (cuTensorMapEncodeTiled through the runtime's driver entry point,
 // so the library needs no -lcuda)
 // ---------------------------------------------------------------------------------------------
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -632,7 +657,7 @@ static EncodeTiledFn encode_tiled_fn() {
     return s_fn;
 }
 
-// tokens [rows][K_dim] 16-bit with row stride ld elements (16-byte aligned, ld % 8 == 0),
+// tokens [rows][K_dim] 16-bit with row stride ld elements (A' or A itself: 16-byte aligned, ld % 8 == 0),
 // boxes of 64 k x 256 rows with the 128-byte swizzle; out-of-range rows and k read as 0
 static bool make_token_map(CUtensorMap* map, const void* tokens, int rows, int K_dim, long long ld, int tok) {
     const EncodeTiledFn fn = encode_tiled_fn();

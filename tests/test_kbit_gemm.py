@@ -329,9 +329,9 @@ def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
 @pytest.mark.cuda
 @requires_hopper
 def test_cuda_gemm_warp_specialised_large_m_and_graph():
-    """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one) for odd k,
-    and the dispatcher's large-M choice for a wide weight (config 7: tensor map, kernel) captured in a CUDA graph with
-    out= and replayed on new data."""
+    """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one; for k = 5
+    two permuted-token chunks: K = 14336 fits 2304 tokens per chunk), and the dispatcher's large-M choice for a wide
+    weight (config 7: tensor map, kernel) captured in a CUDA graph with out= and replayed on new data."""
     run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
     run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
     N, K_dim, k, M = 14336, 1024, 4, 512
@@ -358,14 +358,15 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
 @pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_warp_specialised_split_k(k):
     """Config 7 split along k where its tiles leave SMs idle: uneven splits (49 k-steps in 25 + 24), 80 tiles
-    planned for 1000 SMs (4 splits of 28 k-steps), bias and bf16; the dispatcher's own choice (a deep weight at
-    M = 256) twice in a row gives the same bits (the tile counters reset themselves, the slots are summed in split
-    order). Without k splits, a partial last wave runs its tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6
-    split, 17 k-steps in 9 + 8), and 80 tiles on 37 SMs (the last 6 split, 56 + 56)."""
+    planned for 1000 SMs (4 splits of 28 k-steps; k = 5: 3 splits of 38, 38, 36 in each permuted-token chunk), bias
+    and bf16; the dispatcher's own choice (a deep weight at M = 256) twice in a row gives the same bits (the tile
+    counters reset themselves, the slots are summed in split order). Without k splits, a partial last wave runs its
+    tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6 split, 17 k-steps in 9 + 8), 80 tiles on 37 SMs (k < 5:
+    the last 6 split, 56 + 56) and 72 tiles per token chunk on 30 SMs (k = 5: the first chunk's last 12 split)."""
     run_case(300, 1000, 6272, k, torch.bfloat16, bias=True, config=7)
     run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=1000)
     run_case(1000, 1000, 2080, k, torch.bfloat16, bias=True, config=7, sm_count=13)
-    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=37)
+    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=37 if k < 5 else 30)
     out = run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0)
     assert torch.equal(out, run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0))
 
@@ -374,15 +375,15 @@ def test_cuda_gemm_warp_specialised_split_k(k):
 @requires_hopper
 @pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_warp_specialised_token_strides(k):
-    """Config 7's tokens come from A itself (the kernel transposes the weight fields instead): a padded row stride
-    (lda = K + 32, read by the tensor map as it is), and views the op copies first (lda % 8 != 0; a base 2 bytes off
-    16), each against the reference, output poisoned."""
+    """Config 7's tokens come from A itself for k = 2..4 (the kernel transposes the weight fields instead) and from a
+    permuted copy for k = 5: a padded row stride (lda = K + 32, read by the tensor map as it is), and views the op
+    copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference, output poisoned."""
     from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
 
     from bitsandbytes_kbit.backends.cuda.ops import get_lib
 
-    # the workspace is sized the same for every k, so a cached workspace does not grow, and free what an earlier
-    # graph captured, when a call of another k follows
+    # the workspace is sized the same for every k (k = 5 also holds the permuted tokens), so a cached workspace does
+    # not grow, and free what an earlier graph captured, when a call of another k follows
     sizing = get_lib().ckbit_gemm_workspace_bytes
     sizing.restype, sizing.argtypes = ctypes.c_size_t, [ctypes.c_int] * 5
     for M_ in (256, 1024, 2048):
