@@ -205,17 +205,26 @@ struct Dispatch {
     int k_splits;
 };
 
-// k = 5 permutes the tokens (kbit_gemm_wgmma_ws.cuh sections 1 and 8: its weight transpose measured slower where N is
-// large), k = 2..4 transpose the weights in the kernel
-static bool ws_permuted_tokens(int k_bits) { return k_bits == 5; }
+// Config 7 transposes the weights in the kernel (kbit_gemm_wgmma_ws.cuh section 8), except k = 5 on a wide weight,
+// which permutes the tokens first (section 1): the transpose costs k = 5 ~8% of every tile (shared-memory pipe), the
+// permute one pass over A, which a wide N amortizes. H100, k = 5, M = 1024, us, benchmark (weights rotated, two
+// rounds), transposed vs permuted: 4096 x 14336 176 / 190 vs 199 / 205; 8192 x 8192 and 28672 x 8192 (853 / 859 vs
+// 800 / 789) slower.
+#ifndef KBIT_WS_K5_TRANSPOSE_MAX_N // dev/build_variant.sh
+#define KBIT_WS_K5_TRANSPOSE_MAX_N 4096
+#endif
+constexpr int WS_K5_TRANSPOSE_MAX_N = KBIT_WS_K5_TRANSPOSE_MAX_N;
+static bool ws_permuted_tokens(int k_bits, int N) { return k_bits == 5 && N > WS_K5_TRANSPOSE_MAX_N; }
 // config 7: rows of A per permuted-token chunk (whole 256-token tiles, at most WS_TOKEN_BYTES of A')
-static int ws_token_rows(int M, int K_dim, int k_bits) {
-    if (!ws_permuted_tokens(k_bits)) return ceil_div(M, 256) * 256; // one launch: the tensor map reads A itself
+static int ws_token_rows(int M, int N, int K_dim, int k_bits) {
+    if (!ws_permuted_tokens(k_bits, N)) return ceil_div(M, 256) * 256; // one launch: the tensor map reads A itself
     const long long fit = (long long)(WS_TOKEN_BYTES / ((size_t)K_dim * 2)) / 256 * 256;
     const long long rows = (long long)ceil_div(M, 256) * 256;
     return (int)(rows < (fit < 256 ? 256 : fit) ? rows : (fit < 256 ? 256 : fit));
 }
-static size_t ws_token_bytes(int M, int K_dim, int k_bits) { return (size_t)ws_token_rows(M, K_dim, k_bits) * K_dim * 2; }
+static size_t ws_token_bytes(int M, int N, int K_dim, int k_bits) {
+    return (size_t)ws_token_rows(M, N, K_dim, k_bits) * K_dim * 2;
+}
 
 static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_splits) {
     if (k_splits <= 1) return 0;
@@ -270,7 +279,7 @@ constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
 constexpr long long WS_LARGE_WEIGHT = 1LL << 27; // 134M elements: 28672 x 8192 and 8192 x 28672, not 8192 x 8192
 // Config 7 tiles of one launch (one chunk of M, ws_token_rows)
 static long long ws_tiles(int M, int N, int K_dim, int k_bits) {
-    const int rows = ws_token_rows(M, K_dim, k_bits);
+    const int rows = ws_token_rows(M, N, K_dim, k_bits);
     return (long long)ceil_div(N, 128) * ceil_div(M < rows ? M : rows, 256);
 }
 // Config 7 split along k where its tiles leave SMs idle: as many splits as fit one CTA per SM, each of at least
@@ -301,7 +310,7 @@ static int ws_tail_tiles(long long tiles, int k_steps, int sm_count) {
 }
 static size_t ws_partial_bytes(int M, int N, int K_dim, int k_bits, int k_splits, int sm_count) {
     if (k_splits > 1) return (size_t)k_splits * ws_tiles(M, N, K_dim, k_bits) * WS_TILE_BYTES;
-    const int rows = ws_token_rows(M, K_dim, k_bits), k_steps = ceil_div(K_dim, UNIT_K);
+    const int rows = ws_token_rows(M, N, K_dim, k_bits), k_steps = ceil_div(K_dim, UNIT_K);
     const long long n_tiles = ceil_div(N, 128), last_rows = M - (long long)(ceil_div(M, rows) - 1) * rows;
     const int tail = max(ws_tail_tiles(n_tiles * ceil_div(M < rows ? M : rows, 256), k_steps, sm_count),
                          ws_tail_tiles(n_tiles * ceil_div(last_rows, 256), k_steps, sm_count)); // full, last chunk
@@ -319,11 +328,11 @@ static int ws_splits(int M, int N, int K_dim, int k_bits, int sm_count) {
     if (splits <= 1) return 1;
     return ceil_div(k_steps, ceil_div(k_steps, splits)); // the last split is never empty
 }
-// counters, the partial tiles (k splits, or the halves of a split last wave), then the permuted tokens (k = 5; the
-// others transpose the weights in the kernel instead, kbit_gemm_wgmma_ws.cuh section 8); 0 when none is needed
+// counters, the partial tiles (k splits, or the halves of a split last wave), then the permuted tokens (k = 5 on a
+// wide weight; the others transpose the weights in the kernel instead); 0 when none is needed
 static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_bits, int k_splits, int sm_count) {
     const size_t partial = ws_partial_bytes(M, N, K_dim, k_bits, k_splits, sm_count);
-    const size_t tokens = ws_permuted_tokens(k_bits) ? ws_token_bytes(M, K_dim, k_bits) : 0;
+    const size_t tokens = ws_permuted_tokens(k_bits, N) ? ws_token_bytes(M, N, K_dim, k_bits) : 0;
     return partial + tokens == 0 ? 0 : COUNTER_REGION_BYTES + partial + tokens;
 }
 static bool ws_config_fits(int M, int N, int K_dim, int k_bits, int sm_count) {
@@ -524,9 +533,9 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
     check_launch("ckbit_gemm wgmma");
 }
 
-// config 7 per chunk of M (ws_token_rows): for k = 5 permute the chunk's tokens into the workspace (after the counter
-// region, which stays zero and the partial tiles), else read A itself (one chunk); encode the tensor map, launch
-// one CTA per (128-row, 256-token) tile and k split, m tile fastest
+// config 7 per chunk of M (ws_token_rows): for the token-permuting kernel (k = 5, wide N) permute the chunk's tokens
+// into the workspace (after the counter region, which stays zero, and the partial tiles), else read A itself (one
+// chunk); encode the tensor map, launch one CTA per (128-row, 256-token) tile and k split, m tile fastest
 template <class Cfg, typename T>
 static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, size_t workspace_bytes, int sm_count,
                             cudaStream_t stream) {
@@ -538,13 +547,13 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
     static bool s_attr_set[64] = {};
     if (!prepare_launch(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, k_splits, "wgmma-ws"))
         return;
-    const int rows_chunk = ws_token_rows(p.M, p.K_dim, K_BITS);
+    const int rows_chunk = ws_token_rows(p.M, p.N, p.K_dim, K_BITS);
     const size_t need = ws_workspace_bytes(p.M, p.N, p.K_dim, K_BITS, k_splits, sm_count);
     if (need > 0 && (workspace == nullptr || workspace_bytes < need)) {
         set_error("ckbit_gemm", "config 7 needs a workspace of ckbit_gemm_workspace_bytes");
         return;
     }
-    if (!Cfg::TRANSPOSE != ws_permuted_tokens(K_BITS)) {
+    if (!Cfg::TRANSPOSE != ws_permuted_tokens(K_BITS, p.N)) {
         set_error("ckbit_gemm", "config 7: token permutation and weight transpose disagree");
         return;
     }
@@ -616,9 +625,9 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, K_BITS, d.k_splits, sm_count) > workspace_bytes) d.k_splits--;
         const size_t need = ws_workspace_bytes(M, N, K_dim, K_BITS, 1, sm_count);
         const bool a_tma_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
-        // no room for the permuted tokens or a split last wave (a workspace grown before, under capture), or (k < 5)
-        // an A the tensor map cannot read directly (the op copies such views to contiguous first): config 6
-        if ((need > 0 && (workspace == nullptr || workspace_bytes < need)) || (!ws_permuted_tokens(K_BITS) && !a_tma_ok)) {
+        // no room for the permuted tokens or a split last wave (a workspace grown before, under capture), or (the
+        // weight-transposing kernel) an A the tensor map cannot read directly (the op copies such views to contiguous first): config 6
+        if ((need > 0 && (workspace == nullptr || workspace_bytes < need)) || (!ws_permuted_tokens(K_BITS, N) && !a_tma_ok)) {
             d.config = FIRST_WGMMA_CONFIG;
             d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
         }
@@ -648,7 +657,14 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         p.partials = nullptr;
     }
     if (d.config == WS_CONFIG) {
-        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count, stream);
+        if constexpr (K_BITS == 5) { // both kernels, by N
+            if (ws_permuted_tokens(K_BITS, N)) {
+                launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8, false>, T>(p, d.k_splits, workspace, workspace_bytes,
+                                                                       sm_count, stream);
+                return;
+            }
+        }
+        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8, true>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count, stream);
         return;
     }
     switch (d.config) {

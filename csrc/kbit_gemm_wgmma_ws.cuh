@@ -149,7 +149,16 @@ constexpr size_t WS_TOKEN_BYTES = 64u << 20; // k = 5: permuted-token buffer (A'
 #define KBIT_WS_FRAG_SLOTS 2
 #endif
 
-template <int K_BITS_, bool ABS_U8_>
+#ifndef KBIT_WS_K5_LUT_COPIES
+#define KBIT_WS_K5_LUT_COPIES 16
+#endif
+#ifndef KBIT_WS_K5_W_STAGES
+#define KBIT_WS_K5_W_STAGES 3
+#endif
+
+// TRANSPOSE_: the weights transposed in the kernel (section 8) rather than the tokens permuted (section 1); k = 5 has
+// both kernels, the host picks by N (kbit_gemm.cu, ws_permuted_tokens)
+template <int K_BITS_, bool ABS_U8_, bool TRANSPOSE_ = (K_BITS_ != 5)>
 struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     using Base = KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true>;
     static constexpr int TOK = 256;                 // tokens per CTA tile = wgmma N
@@ -159,9 +168,9 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     // to the consumers, whose 128 accumulators + fragments need more than the 224 a 288-thread launch allows
     // (there ptxas serialized the wgmmas, C7512)
     static constexpr int WS_THREADS = CONSUMER_THREADS + 128;
-    // k = 2..4: warps 10, 11 transpose each weight unit's fields within lane quads (section 8), so the TMA reads A
-    // itself; k = 5: the tokens are permuted into A' (section 1)
-    static constexpr bool TRANSPOSE = K_BITS_ != 5;
+    // warps 10, 11 transpose each weight unit's fields within lane quads (section 8), so the TMA reads A itself; or
+    // (k = 5 on a wide weight) the tokens are permuted into A' first (section 1) and those warps idle
+    static constexpr bool TRANSPOSE = TRANSPOSE_;
     static constexpr int TRANSPOSE_WARPS = 2;
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 x 40 + 256 x 232 <= 64K
     static constexpr int HALF_K = 64;               // k of one TMA box (128 bytes: the swizzle width)
@@ -170,8 +179,16 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     static constexpr int ABS_UNIT_BYTES = UNIT_ABSMAX * (ABS_U8_ ? 1 : 2);
     static constexpr int W_STAGE_BYTES = CONSUMER_WARPS * (UNIT_BYTES + ABS_UNIT_BYTES);
     static constexpr int TOK_STAGES = KBIT_WS_TOK_STAGES;
-    static constexpr int W_STAGES = KBIT_WS_W_STAGES;
-    static constexpr int LUT_BYTES = 4 * Base::LUT_WORDS;
+    // k = 5 transposed: 16 copies of the 1024-entry table (64 KB; lanes l, l + 16 share one) where the other configs
+    // have 8, so only 3 weight stages fit; the shared-memory pipe bounds that kernel (section 8). H100, M = 1024, us,
+    // 8 copies / 4 stages -> 16 / 3: 4096 x 14336 181.3 -> 172.6, 8192 x 8192 213.4 -> 204.3, 14336 x 4096 211.5 ->
+    // 203.5; 3 stages alone: no change (180.6, 213.3, 211.8)
+    static constexpr bool WIDE_K5_LUT = K_BITS_ == 5 && TRANSPOSE_;
+    static constexpr int W_STAGES = WIDE_K5_LUT ? KBIT_WS_K5_W_STAGES : KBIT_WS_W_STAGES;
+    static constexpr int LUT_COPIES = WIDE_K5_LUT ? KBIT_WS_K5_LUT_COPIES : Base::LUT_COPIES;
+    static constexpr int LUT_WORDS = Base::LUT_ENTRIES * LUT_COPIES * Base::LUT_ENTRY_BYTES / 4;
+    static constexpr int LUT_STRIDE_LOG2 = ilog2(LUT_COPIES * Base::LUT_ENTRY_BYTES);
+    static constexpr int LUT_BYTES = 4 * LUT_WORDS;
     static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 3 * W_STAGES);
     static constexpr int SMEM_BYTES = 1024 /* alignment */ + TOK_STAGES * TOK_HALF_BYTES + LUT_BYTES +
                                       W_STAGES * W_STAGE_BYTES + BAR_BYTES;
@@ -634,7 +651,9 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         if (!reduce_split_k<Cfg>(acc_tile, p, slot_tile, warp, true, lane, &s_flag, consumers_sync, split, n_splits))
             return;
     }
+#ifndef KBIT_PROBE_WS_NO_STORE // timing builds: the tile's output stores left out
     store_output<Cfg, T>(acc_tile, p, (n16_cta + warp) * UNIT_ROWS, m_base, lane);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ the output (one rounding: 2^-11 / 2^-8 relative); relative Frobenius error <= 2e
 1e-2 (bf16) covers both with margin, while a wrong index, scale or row gives O(1)."""
 
 import ctypes
+import itertools
 
 import pytest
 import torch
@@ -329,11 +330,13 @@ def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
 @pytest.mark.cuda
 @requires_hopper
 def test_cuda_gemm_warp_specialised_large_m_and_graph():
-    """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one; for k = 5
-    two permuted-token chunks: K = 14336 fits 2304 tokens per chunk), and the dispatcher's large-M choice for a wide
+    """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one) in one
+    launch (k = 3, and k = 5 with N <= 4096: the weight-transposing kernels) and, for k = 5 on a wider weight, in two
+    permuted-token chunks (K = 14336 fits 2304 tokens per chunk); and the dispatcher's large-M choice for a wide
     weight (config 7: tensor map, kernel) captured in a CUDA graph with out= and replayed on new data."""
     run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
     run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
+    run_case(2400, 4200, 14336, 5, torch.float16, bias=True, config=7)
     N, K_dim, k, M = 14336, 1024, 4, 512
     packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
     Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
@@ -358,15 +361,19 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
 @pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_warp_specialised_split_k(k):
     """Config 7 split along k where its tiles leave SMs idle: uneven splits (49 k-steps in 25 + 24), 80 tiles
-    planned for 1000 SMs (4 splits of 28 k-steps; k = 5: 3 splits of 38, 38, 36 in each permuted-token chunk), bias
-    and bf16; the dispatcher's own choice (a deep weight at M = 256) twice in a row gives the same bits (the tile
-    counters reset themselves, the slots are summed in split order). Without k splits, a partial last wave runs its
-    tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6 split, 17 k-steps in 9 + 8), 80 tiles on 37 SMs (k < 5:
-    the last 6 split, 56 + 56) and 72 tiles per token chunk on 30 SMs (k = 5: the first chunk's last 12 split)."""
+    planned for 1000 SMs (4 splits of 28 k-steps), bias and bf16; the dispatcher's own choice (a deep weight at M =
+    256) twice in a row gives the same bits (the tile counters reset themselves, the slots are summed in split
+    order). Without k splits, a partial last wave runs its tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6
+    split, 17 k-steps in 9 + 8), 80 tiles on 37 SMs (the last 6 split, 56 + 56). k = 5 on a wider weight (N > 4096:
+    the token-permuting kernel) too: 297 tiles per token chunk planned for 1000 SMs (3 splits of 38, 38, 36 in each
+    chunk), and on 140 SMs (the first chunk's last 17 tiles split)."""
     run_case(300, 1000, 6272, k, torch.bfloat16, bias=True, config=7)
     run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=1000)
     run_case(1000, 1000, 2080, k, torch.bfloat16, bias=True, config=7, sm_count=13)
-    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=37 if k < 5 else 30)
+    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=37)
+    if k == 5:
+        run_case(2400, 4200, 14336, k, torch.bfloat16, bias=True, config=7, sm_count=1000)
+        run_case(2400, 4200, 14336, k, torch.float16, config=7, sm_count=140)
     out = run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0)
     assert torch.equal(out, run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0))
 
@@ -375,9 +382,10 @@ def test_cuda_gemm_warp_specialised_split_k(k):
 @requires_hopper
 @pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_warp_specialised_token_strides(k):
-    """Config 7's tokens come from A itself for k = 2..4 (the kernel transposes the weight fields instead) and from a
-    permuted copy for k = 5: a padded row stride (lda = K + 32, read by the tensor map as it is), and views the op
-    copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference, output poisoned."""
+    """Config 7's tokens come from A itself where the kernel transposes the weight fields (k = 2..4; k = 5 with N <=
+    4096) and from a permuted copy for k = 5 on a wider weight: a padded row stride (lda = K + 32, read by the tensor
+    map as it is), and views the op copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference,
+    output poisoned."""
     from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
 
     from bitsandbytes_kbit.backends.cuda.ops import get_lib
@@ -386,20 +394,21 @@ def test_cuda_gemm_warp_specialised_token_strides(k):
     # not grow, and free what an earlier graph captured, when a call of another k follows
     sizing = get_lib().ckbit_gemm_workspace_bytes
     sizing.restype, sizing.argtypes = ctypes.c_size_t, [ctypes.c_int] * 5
-    for M_ in (256, 1024, 2048):
-        assert len({sizing(M_, 14336, 4096, kb, 132) for kb in KS}) == 1, f"workspace size depends on k at M = {M_}"
-    M, N, K_dim = 300, 1000, 1312
-    packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda", M, torch.float16)
-    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
-    g = seeded("ws-strides", k)
-    for pad, offset in ((32, 0), (4, 0), (8, 1)):
+    for M_, N_, K_ in itertools.product((256, 1024, 2048), (4096, 14336), (4096, 14336)):
+        sizes = {sizing(M_, N_, K_, kb, 132) for kb in KS}
+        assert len(sizes) == 1, f"workspace size depends on k at M = {M_}, N = {N_}, K = {K_}: {sizes}"
+    M, K_dim = 300, 1312
+    for N, (pad, offset) in itertools.product((1000, 4200) if k == 5 else (1000,), ((32, 0), (4, 0), (8, 1))):
+        packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda", M, torch.float16)
+        Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+        g = seeded("ws-strides", k, N, pad, offset)
         big = torch.randn(M, K_dim + pad + offset, generator=g).to("cuda", torch.float16)
         A = big[:, offset : offset + K_dim]
         out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
         kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, None, out, config=7)
         ref = reference(A, packed, absmax, cb, k, N, K_dim)
-        assert bool(torch.isfinite(out).all()), f"every element written (pad {pad}, offset {offset})"
-        assert rel_err(out, ref) <= TOL[torch.float16], f"pad {pad}, offset {offset}"
+        assert bool(torch.isfinite(out).all()), f"every element written (N {N}, pad {pad}, offset {offset})"
+        assert rel_err(out, ref) <= TOL[torch.float16], f"N {N}, pad {pad}, offset {offset}"
 
 
 @pytest.mark.cuda
