@@ -236,6 +236,19 @@ __device__ __forceinline__ void tma_load_2d(uint32_t s_dst, const CUtensorMap* m
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// four 8 x 8 b16 matrices, transposed (PTX ISA 9.7.14.5.16): register q of every lane holds its mma-fragment pair of
+// matrix q (row lane / 4, columns 2 (lane % 4) + 0, 1); column j of matrix q goes to the 16 bytes at lane 8q + j's
+// address
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t s_addr, const uint32_t (&r)[4]) {
+    KBIT_SM90A_ASM("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(s_addr), "r"(r[0]),
+                   "r"(r[1]), "r"(r[2]), "r"(r[3])
+                   : "memory");
+}
+__device__ __forceinline__ uint4 lds_128(uint32_t s_addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(s_addr));
+    return v;
+}
 
 // D[64 x 256] (+)= A[64 x 16] (registers) x B[16 x 256] (shared, K-major, 128-byte swizzle); accumulate = 0
 // overwrites D: the first wgmma of a tile starts from it, so the accumulators are never zeroed by ordinary
@@ -305,6 +318,56 @@ __global__ void kbit_permute_tokens_kernel(const uint16_t* __restrict__ A, uint3
     uint4* dst = reinterpret_cast<uint4*>(A_perm + ((long long)r * K_dim + b * BLOCK_ELEMS) / 2);
 #pragma unroll
     for (int wd = 0; wd < 4; wd++) dst[wd] = make_uint4(w[wd], w[4 + wd], w[8 + wd], w[12 + wd]); // new 4wd + t = old 4t + wd
+}
+
+// The tile's output through shared memory (section 9), by the 256 consumer threads once every wgmma of the tile has
+// retired (the token ring, free by then, holds it): each warp's fragments with stmatrix.trans into [256 tokens][128
+// rows] of 16-bit values, 16-byte chunk c of token m's 256-byte row at chunk c ^ (m % 8) (conflict-free both ways),
+// then each token's 256 bytes to its row of C with 16-byte stores (element stores where C or N is not 16-byte
+// aligned and at the edge of N).
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_store_tile(const float (&acc)[128], const KbitGemmParams& p, uint32_t s_stage,
+                                              int n_cta, int m_base, int warp, int lane) {
+    const int g = lane / 4, q = lane / 8, j = lane % 8;
+    const T* g_bias = reinterpret_cast<const T*>(p.bias);
+    float bias[2] = {0.0f, 0.0f}; // rows n_cta + 16 warp + g + 8h of this lane's fragments
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int n = n_cta + 16 * warp + g + 8 * h;
+        if (g_bias != nullptr && n < p.N) bias[h] = Pack2<T>::to_float(g_bias[n]);
+    }
+    named_barrier_sync(1, Cfg::CONSUMER_THREADS); // both warpgroups' wgmmas have read their last token slot
+    // matrix u of a stmatrix = (token group mb + u / 2, row half u % 2); lane 8u + j addresses its token 8 (mb + u / 2) + j
+#pragma unroll
+    for (int mb = 0; mb < Cfg::TOK / 8; mb += 2) {
+        uint32_t r[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const float* a = acc + 4 * (mb + u / 2) + 2 * (u % 2);
+            r[u] = Pack2<T>::from_floats(a[0] * Cfg::OUT_FACTOR + bias[u % 2], a[1] * Cfg::OUT_FACTOR + bias[u % 2]);
+        }
+        const int m = 8 * (mb + q / 2) + j, c = 2 * warp + q % 2;
+        stmatrix_x4_trans(s_stage + m * 256 + ((c ^ j) << 4), r);
+    }
+    named_barrier_sync(1, Cfg::CONSUMER_THREADS);
+    T* g_C = reinterpret_cast<T*>(p.C);
+    const bool vec = ((reinterpret_cast<uintptr_t>(p.C) | ((size_t)p.N * sizeof(T))) % 16) == 0;
+    const int c = threadIdx.x % 16, n = n_cta + 8 * c; // thread i: chunk i % 16 of tokens i / 16 + 16 s
+#pragma unroll 4
+    for (int s = 0; s < Cfg::TOK / 16; s++) {
+        const int ml = threadIdx.x / 16 + 16 * s;
+        if (m_base + ml >= p.M) break;
+        const uint4 v = lds_128(s_stage + ml * 256 + ((c ^ (ml % 8)) << 4));
+        T* dst = g_C + (long long)(m_base + ml) * p.N + n;
+        if (vec && n + 8 <= p.N) {
+            *reinterpret_cast<uint4*>(dst) = v;
+        } else {
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+                if (n + x < p.N) reinterpret_cast<uint16_t*>(dst)[x] = (uint16_t)(w[x / 2] >> (16 * (x % 2)));
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -652,7 +715,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
             return;
     }
 #ifndef KBIT_PROBE_WS_NO_STORE // timing builds: the tile's output stores left out
-    store_output<Cfg, T>(acc_tile, p, (n16_cta + warp) * UNIT_ROWS, m_base, lane);
+    ws_store_tile<Cfg, T>(acc, p, sm.tok, n16_cta * UNIT_ROWS, m_base, warp, lane);
 #endif
 }
 
