@@ -261,22 +261,27 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 //   8192 x 28672  M=512 343.9 vs 536.9 (349.2), M=1024 716.6 vs 897.9 (708.8)
 //   below 3/4 of the SMs: 4096 x 14336 M=256 (32 tiles) 155.0 vs 83.3; 8192 x 28672 M=256 (64) 300.8 vs 310.0
 //   M=128: 59.2 vs 47.5 (14336 x 4096): a 64-token tile wastes less
-// Above WS_MAX_M_SMALL_WEIGHT tokens only weights of at least WS_LARGE_WEIGHT elements keep config 7: the staged
-// path's fp16 copy is amortized over more tokens, and config 7's partial last wave costs more where its tiles
-// run fewer k-steps. Config 7 vs staged, us, paths interleaved (dev/probe_paths.py --configs 7 --staged), k = 4,
-// M = 1280 / 1536 / 2048:
-//   H100: 28672 x 8192 998 / 1247 / 1644 vs 1137 / 1311 / 1678; 8192 x 28672 1124 / 1182 / 1601 vs 1140 / 1362 / 1699
-//         8192 x 8192 330 / 363 / 478 vs 305 / 370 / 470; 4096 x 14336 371 / 379 / 431 vs 264 / 309 / 409;
-//         14336 x 4096 301 / 355 / 438 vs 288 / 319 / 406; 4096 x 4096 110 / 117 / 130 vs 73 / 84 / 108
-//   H200: 28672 x 8192 1030 / 1315 / 1653 vs 1085 / 1290 / 1620; 8192 x 28672 1131 / 1179 / 1577 vs 1104 / 1337 /
-//         1688; 8192 x 8192 334 / 360 / 475 vs 289 / 373 / 461; 4096 x 14336 358 / 367 / 420 vs 247 / 292 / 398;
-//         14336 x 4096 308 / 367 / 440 vs 283 / 313 / 406; 4096 x 4096 110 / 117 / 127 vs 70 / 85 / 107
-// At M = 1024 config 7 wins on every shape of 32M weights or more (H100 8192 x 8192 246 vs 274, 4096 x 14336 202 vs
-// 224; 4096 x 4096 64 vs 62); at M = 4096 the staged path is 3-8% faster on every shape.
+// Above WS_MAX_M_SMALL_WEIGHT tokens only weights of at least WS_LARGE_WEIGHT elements keep config 7, up to WS_MAX_M.
+// Until the tile's output went through shared memory (kbit_gemm_wgmma_ws.cuh section 9) the staged path won above
+// 1024 tokens on every weight below 2^27 elements (H100, k = 4, M = 1280 / 1536 / 2048, config 7 vs staged: 4096 x
+// 14336 371 / 379 / 431 vs 264 / 309 / 409, 14336 x 4096 301 / 355 / 438 vs 288 / 319 / 406). Since then, H100, us,
+// paths interleaved (dev/probe_paths.py --configs 7 --staged), config 7 vs staged (cuBLAS fp16), k = 4:
+//   M = 1280: 14336 x 4096 252.8 vs 298.3 (226.4), 4096 x 14336 259.4 vs 268.6 (201.2; k = 5 270.6 vs 263.7),
+//             8192 x 8192 262.5 vs 314.6 (249.5), 28672 x 8192 961.8 vs 1167.0 (877.7), 4096 x 4096 89.3 vs 76.3
+//   M = 2048: 14336 x 4096 397.7 vs 422.1 (365.2), 4096 x 14336 398.8 vs 478.9, 8192 x 8192 421.3 vs 470.4,
+//             28672 x 8192 1469.3 vs 1660.1, 8192 x 28672 1457.2 vs 1706.5, 4096 x 4096 102.5 vs 115.8
+//   M = 3072: 14336 x 4096 576.3 vs 634.6 (568.5), 4096 x 14336 579.5 vs 645.7, 8192 x 8192 634.0 vs 699.0 (k = 5
+//             709.3 vs 710.0), 28672 x 8192 2243.1 vs 2482.4, 4096 x 4096 178.9 vs 185.7 (k = 5 185.6 vs 177.9)
+//   M = 4096: 14336 x 4096 787.3 vs 810.3 (738.9), 4096 x 14336 727.8 vs 786.5 (740.4), 8192 x 8192 854.5 vs 900.1,
+//             28672 x 8192 2959.7 vs 3158.5 (2875.7), 8192 x 28672 3004.9 vs 3112.4, 4096 x 4096 224.4 vs 226.8
+//   M = 8192: 14336 x 4096 1647.6 vs 1595.5, 4096 x 14336 1534.9 vs 1531.9, 8192 x 8192 1804.6 vs 1785.3 (k = 5
+//             1944.9 vs 1801.8), 28672 x 8192 6644.0 vs 6383.0: the 32 token tiles of a weight tile no longer share it
+//             through the L2 (m tile fastest, A itself 64-448 MB)
+// so config 7 up to 4096 tokens on weights of 32M elements or more, and up to 1024 below (4096 x 4096, 1024 x 4096).
 constexpr int WS_MIN_M = 129;
-constexpr int WS_MAX_M = 2048;
+constexpr int WS_MAX_M = 4096;
 constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
-constexpr long long WS_LARGE_WEIGHT = 1LL << 27; // 134M elements: 28672 x 8192 and 8192 x 28672, not 8192 x 8192
+constexpr long long WS_LARGE_WEIGHT = 1LL << 25; // 4096 x 8192 and up, not 4096 x 4096
 // Config 7 tiles of one launch (one chunk of M, ws_token_rows)
 static long long ws_tiles(int M, int N, int K_dim, int k_bits) {
     const int rows = ws_token_rows(M, N, K_dim, k_bits);

@@ -98,7 +98,7 @@
 //    14336 x 4096 M = 1024 233.2 / 233.6 -> 224.9 / 229.6 (cuBLAS 338 and 165): less than the wave count
 //    promises (3.5 waves for 4), so the waves are not all of the story there.
 //
-// 8. k = 2..4: the weights transposed in the kernel, the tokens not permuted. The weight producer's slot is read by
+// 8. The weights transposed in the kernel, the tokens not permuted (k = 2..4; k = 5 where N <= 4096). The weight producer's slot is read by
 //    warps 10 and 11 once its copies land: each lane loads its words of 4 units, exchanges fields with the other lanes
 //    of its quad so that lane t holds the pairs at k 2t + 8j the wgmma register fragment wants, stores them back and
 //    arrives on "w_ready", which the consumers wait on instead of "full". Even k: two shuffle rounds and byte
@@ -109,7 +109,7 @@
 //      k = 4: 4096 x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3), 14336 x 4096
 //             9.2 + 190.1 -> 192.3 (164.9); k = 2: the GEMM kernel's time unchanged (157.6 -> 158.3 on 4096 x 14336);
 //      k = 3: 28.8 + 158.6 -> 158.2 (153.8), 16.8 + 187.9 -> 187.7 (178.5), 9.3 + 187.6 -> 188.5 (161.0).
-//    k = 5 keeps the permuted tokens. At M = 1024 the shared-memory pipe is nearly full: per k-step the wgmmas read
+//    k = 5 keeps the permuted tokens on wide weights. At M = 1024 the shared-memory pipe is nearly full: per k-step the wgmmas read
 //    128 KB of tokens, the TMA writes 64 KB, and the LUT reads, the transposer's loads, stores and shuffles and the
 //    consumers' unit loads come on top. k = 5 has the most of the latter (10 words per lane, a 1024-entry LUT with
 //    4-way conflicts at its 8 copies): with the transpose its kernel took 28.6 + 159.9 -> 181.3, 16.7 + 190.1 ->
@@ -117,7 +117,11 @@
 //    copies with 3 weight stages took back 9 us (172.6, 204.3, 203.5), but in the benchmark (weights rotated, two
 //    rounds) k = 5 then ran 6-14% behind k = 4 against 1-10% with the permuted tokens, and slower than them on
 //    28672 x 8192 (853 / 859 vs 800 / 789 us) and 8192 x 28672: the transpose costs ~8% of every tile, the permute
-//    a pass over A, so the transpose wins only where N is small (4096 x 14336: 176 / 190 vs 199 / 205).
+//    a pass over A, so the transpose wins only where N is small (4096 x 14336: 176 / 190 vs 199 / 205). Both k = 5
+//    kernels are built (KbitWsConfig's TRANSPOSE_) and the host takes the transposing one up to N = 4096
+//    (kbit_gemm.cu, ws_permuted_tokens; dev/probe_paths.py, two rounds, us, M = 512 / 1024, permuted -> transposed:
+//    4096 x 14336 108.0 / 191.9 -> 99.5 / 174.0, 4096 x 4096 42.0 / 63.6 -> 41.5 / 57.5; 6144 x 8192 and 8192 x 8192
+//    within +-3% either way).
 //    Measured on the way: a first odd-k version that took each block's 4 items out as numbers, exchanged them with
 //    selects and put them back (~34 instructions per block, the old field order) made the k = 3 kernel 40 us slower
 //    (231.6 vs 184.3 on 8192 x 8192); the load-compute-store order per batch of units (k = 3: 2, k = 2: 4) keeps the
@@ -127,6 +131,21 @@
 //    4-byte cp.async into the permuted layout in the kernel instead (3 producer warps, no A') was correct but 2.5x
 //    slower (470 vs 189 us on 4096 x 14336): ~4 us per k-step, the L1's outstanding requests, not the issue slots
 //    (3.5 instructions per copy), bound 16K 4-byte copies per k-step; the TMA has no such limit.
+//
+// 9. The output through shared memory (ws_store_tile). The mma.sync configs' store_output writes each fragment value
+//    with a 2-byte store: per warp instruction 4 token rows x 16 bytes, 1024 such stores per CTA for its 64 KB tile.
+//    Leaving the stores out (KBIT_PROBE_WS_NO_STORE) showed them costing 6-7 us per wave of tiles (H100, k = 4, M =
+//    1024, us: 4096 x 2048, one wave, 31.2 -> 24.5; 12672 x 2048, three waves, 101.8 -> 80.3; 12672 x 4096 182.0 ->
+//    142.0; 14336 x 4096 218.5 -> 193.5). Now the consumers, once every wgmma of the tile has retired and the token
+//    ring is free, write the tile with stmatrix.trans into it (token-major, 16-byte chunks swizzled by token % 8: no
+//    bank conflicts on either side) and store each token's 256 bytes with 16-byte stores:
+//          fragments (8 warps x 16 rows x 256 tokens) --stmatrix.x4.trans--> smem [256 tokens][128 rows] fp16
+//          --LDS.128 / STG.128, 2 token rows per warp instruction--> C rows m_base + 0..255, columns n_cta + 0..127
+//    H100, k = 4, us, two rounds, 2-byte stores -> this (cuBLAS fp16 of the second): M = 1024: 14336 x 4096 220.0 /
+//    216.5 -> 181.1 / 198.2 (169.0), 4096 x 14336 171.0 / 175.4 -> 160.0 / 160.1 (155.4), 8192 x 8192 210.0 / 211.8
+//    -> 199.4 / 203.7 (201.4), 28672 x 8192 801.1 / 804.7 -> 717.1 / 725.9 (696.2); M = 512: 14336 x 4096 108.1 /
+//    109.2 -> 98.2 / 100.6, 28672 x 8192 418.0 / 428.0 -> 395.3 / 403.0. That moved config 7 ahead of the staged
+//    path up to M = 4096 (kbit_gemm.cu, WS_MAX_M).
 // ============================================================================================
 #pragma once
 
