@@ -278,8 +278,14 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 //             1944.9 vs 1801.8), 28672 x 8192 6644.0 vs 6383.0: the 32 token tiles of a weight tile no longer share it
 //             through the L2 (m tile fastest, A itself 64-448 MB)
 // so config 7 up to 4096 tokens on weights of 32M elements or more, and up to 1024 below (4096 x 4096, 1024 x 4096).
+// k = 5 only up to WS_MAX_M_K5: its kernels pay the token permute or the slower transpose (kbit_gemm_wgmma_ws.cuh
+// section 8), and in the benchmark (H100, M = 4096, us, config 7 vs the staged path of the run before, cuBLAS fp16)
+// it lost on 8192 x 8192 960.6 vs 906.7 (806.2), 4096 x 14336 834.9 vs 778.6, 8192 x 28672 3191.8 vs 3133.0 and
+// 14336 x 4096 831.6 vs 818.9, and won only on 28672 x 8192 (3078.7 vs 3167.7); at M = 3072 it was ahead or level
+// (above: 8192 x 8192 709.3 vs 710.0).
 constexpr int WS_MIN_M = 129;
 constexpr int WS_MAX_M = 4096;
+constexpr int WS_MAX_M_K5 = 2048;
 constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
 constexpr long long WS_LARGE_WEIGHT = 1LL << 25; // 4096 x 8192 and up, not 4096 x 4096
 // Config 7 tiles of one launch (one chunk of M, ws_token_rows)
@@ -341,7 +347,7 @@ static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_bits, int k_spli
     return partial + tokens == 0 ? 0 : COUNTER_REGION_BYTES + partial + tokens;
 }
 static bool ws_config_fits(int M, int N, int K_dim, int k_bits, int sm_count) {
-    if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
+    if (M < WS_MIN_M || M > (k_bits == 5 ? WS_MAX_M_K5 : WS_MAX_M) || !wgmma_available()) return false;
     if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT) return false;
     const long long ctas = ws_tiles(M, N, K_dim, k_bits) * ws_splits(M, N, K_dim, k_bits, sm_count);
     return 4 * ctas >= 3LL * (sm_count > 0 ? sm_count : 1);
@@ -631,8 +637,10 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         const size_t need = ws_workspace_bytes(M, N, K_dim, K_BITS, 1, sm_count);
         const bool a_tma_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
         // no room for the permuted tokens or a split last wave (a workspace grown before, under capture), or (the
-        // weight-transposing kernel) an A the tensor map cannot read directly (the op copies such views to contiguous first): config 6
-        if ((need > 0 && (workspace == nullptr || workspace_bytes < need)) || (!ws_permuted_tokens(K_BITS, N) && !a_tma_ok)) {
+        // weight-transposing kernel) an A the tensor map cannot read directly (the op copies such views to contiguous
+        // first): config 6
+        const bool no_room = need > 0 && (workspace == nullptr || workspace_bytes < need);
+        if (no_room || (!ws_permuted_tokens(K_BITS, N) && !a_tma_ok)) {
             d.config = FIRST_WGMMA_CONFIG;
             d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
         }
@@ -669,7 +677,8 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
                 return;
             }
         }
-        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8, true>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count, stream);
+        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8, true>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count,
+                                                               stream);
         return;
     }
     switch (d.config) {

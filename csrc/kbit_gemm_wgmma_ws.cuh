@@ -98,30 +98,29 @@
 //    14336 x 4096 M = 1024 233.2 / 233.6 -> 224.9 / 229.6 (cuBLAS 338 and 165): less than the wave count
 //    promises (3.5 waves for 4), so the waves are not all of the story there.
 //
-// 8. The weights transposed in the kernel, the tokens not permuted (k = 2..4; k = 5 where N <= 4096). The weight producer's slot is read by
-//    warps 10 and 11 once its copies land: each lane loads its words of 4 units, exchanges fields with the other lanes
-//    of its quad so that lane t holds the pairs at k 2t + 8j the wgmma register fragment wants, stores them back and
-//    arrives on "w_ready", which the consumers wait on instead of "full". Even k: two shuffle rounds and byte
-//    permutes per block (QuadTransposeSel). Odd k: 6- and 10-bit fields straddle words, so the tiled layout orders a
-//    lane's fields for this exchange (TiledFormat::field_slot: halves and subs that move as whole words and
-//    halfwords) and the exchange is two shuffle rounds over the whole unit (quad_transpose_halves).
+// 8. The weights transposed in the kernel, the tokens not permuted (k = 2..4; k = 5 where N <= 4096). The weight
+//    producer's slot is read by warps 10 and 11 once its copies land: each lane loads its words of 4 units, exchanges
+//    fields with the other lanes of its quad so that lane t holds the pairs at k 2t + 8j the wgmma register fragment
+//    wants, stores them back and arrives on "w_ready", which the consumers wait on instead of "full". Even k: two
+//    shuffle rounds and byte permutes per block (QuadTransposeSel). Odd k: 6- and 10-bit fields straddle words, so the
+//    tiled layout orders a lane's fields for this exchange (TiledFormat::field_slot: halves and subs that move as
+//    whole words and halfwords) and the exchange is two shuffle rounds over the whole unit (quad_transpose_halves).
 //    H100, M = 1024, us, the permute kernel + GEMM -> GEMM alone (cuBLAS fp16):
 //      k = 4: 4096 x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3), 14336 x 4096
 //             9.2 + 190.1 -> 192.3 (164.9); k = 2: the GEMM kernel's time unchanged (157.6 -> 158.3 on 4096 x 14336);
 //      k = 3: 28.8 + 158.6 -> 158.2 (153.8), 16.8 + 187.9 -> 187.7 (178.5), 9.3 + 187.6 -> 188.5 (161.0).
-//    k = 5 keeps the permuted tokens on wide weights. At M = 1024 the shared-memory pipe is nearly full: per k-step the wgmmas read
-//    128 KB of tokens, the TMA writes 64 KB, and the LUT reads, the transposer's loads, stores and shuffles and the
-//    consumers' unit loads come on top. k = 5 has the most of the latter (10 words per lane, a 1024-entry LUT with
-//    4-way conflicts at its 8 copies): with the transpose its kernel took 28.6 + 159.9 -> 181.3, 16.7 + 190.1 ->
-//    213.4, 9.2 + 190.3 -> 211.5 (the loads and stores alone, KBIT_PROBE_WS_NO_TRANSPOSE_MATH: +6 us); 16 LUT
-//    copies with 3 weight stages took back 9 us (172.6, 204.3, 203.5), but in the benchmark (weights rotated, two
-//    rounds) k = 5 then ran 6-14% behind k = 4 against 1-10% with the permuted tokens, and slower than them on
-//    28672 x 8192 (853 / 859 vs 800 / 789 us) and 8192 x 28672: the transpose costs ~8% of every tile, the permute
-//    a pass over A, so the transpose wins only where N is small (4096 x 14336: 176 / 190 vs 199 / 205). Both k = 5
-//    kernels are built (KbitWsConfig's TRANSPOSE_) and the host takes the transposing one up to N = 4096
-//    (kbit_gemm.cu, ws_permuted_tokens; dev/probe_paths.py, two rounds, us, M = 512 / 1024, permuted -> transposed:
-//    4096 x 14336 108.0 / 191.9 -> 99.5 / 174.0, 4096 x 4096 42.0 / 63.6 -> 41.5 / 57.5; 6144 x 8192 and 8192 x 8192
-//    within +-3% either way).
+//    k = 5 keeps the permuted tokens on wide weights. At M = 1024 the shared-memory pipe is nearly full: per k-step the
+//    wgmmas read 128 KB of tokens, the TMA writes 64 KB, and the LUT reads, the transposer's loads, stores and shuffles
+//    and the consumers' unit loads come on top. k = 5 has the most of the latter (10 words per lane, a 1024-entry LUT
+//    with 4-way conflicts at its 8 copies): with the transpose its kernel took 28.6 + 159.9 -> 181.3, 16.7 + 190.1 ->
+//    213.4, 9.2 + 190.3 -> 211.5 (the loads and stores alone, KBIT_PROBE_WS_NO_TRANSPOSE_MATH: +6 us); 16 LUT copies with
+//    3 weight stages took back 9 us (172.6, 204.3, 203.5), but in the benchmark (weights rotated, two rounds) k = 5 then
+//    ran 6-14% behind k = 4 against 1-10% with the permuted tokens, and slower than them on 28672 x 8192 (853 / 859 vs
+//    800 / 789 us) and 8192 x 28672: the transpose costs ~8% of every tile, the permute a pass over A, so the transpose
+//    wins only where N is small (4096 x 14336: 176 / 190 vs 199 / 205). Both k = 5 kernels are built (KbitWsConfig's
+//    TRANSPOSE_) and the host takes the transposing one up to N = 4096 (kbit_gemm.cu, ws_permuted_tokens;
+//    dev/probe_paths.py, two rounds, us, M = 512 / 1024, permuted -> transposed: 4096 x 14336 108.0 / 191.9 -> 99.5 /
+//    174.0, 4096 x 4096 42.0 / 63.6 -> 41.5 / 57.5; 6144 x 8192 and 8192 x 8192 within +-3% either way).
 //    Measured on the way: a first odd-k version that took each block's 4 items out as numbers, exchanged them with
 //    selects and put them back (~34 instructions per block, the old field order) made the k = 3 kernel 40 us slower
 //    (231.6 vs 184.3 on 8192 x 8192); the load-compute-store order per batch of units (k = 3: 2, k = 2: 4) keeps the
@@ -265,7 +264,9 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t s_addr, const uint32_
 }
 __device__ __forceinline__ uint4 lds_128(uint32_t s_addr) {
     uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(s_addr));
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(s_addr));
     return v;
 }
 
@@ -356,7 +357,8 @@ __device__ __forceinline__ void ws_store_tile(const float (&acc)[128], const Kbi
         if (g_bias != nullptr && n < p.N) bias[h] = Pack2<T>::to_float(g_bias[n]);
     }
     named_barrier_sync(1, Cfg::CONSUMER_THREADS); // both warpgroups' wgmmas have read their last token slot
-    // matrix u of a stmatrix = (token group mb + u / 2, row half u % 2); lane 8u + j addresses its token 8 (mb + u / 2) + j
+    // matrix u of a stmatrix = (token group mb + u / 2, row half u % 2); lane 8u + j addresses its token
+    // 8 (mb + u / 2) + j
 #pragma unroll
     for (int mb = 0; mb < Cfg::TOK / 8; mb += 2) {
         uint32_t r[4];
