@@ -341,11 +341,12 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
     # the dispatcher's own choice at 3000 tokens on a weight of 2^25 elements or more (132 SMs): config 7, not staged
     from bitsandbytes_kbit.backends.cuda.ops import _staged_preferred, get_lib
 
-    # (k = 5: up to 2048 tokens)
+    # (k = 5: up to 2048 tokens where N < 16384)
     for (N, K_dim), k in itertools.product(((14336, 4096), (4096, 14336)), (2, 3, 4)):
         assert not _staged_preferred(get_lib(), torch.device("cuda"), 3000, N, K_dim, k, 132), (N, K_dim, k)
     assert not _staged_preferred(get_lib(), torch.device("cuda"), 2000, 14336, 4096, 5, 132)
     assert _staged_preferred(get_lib(), torch.device("cuda"), 3000, 14336, 4096, 5, 132)
+    assert not _staged_preferred(get_lib(), torch.device("cuda"), 3000, 16384, 4096, 5, 132)
     assert _staged_preferred(get_lib(), torch.device("cuda"), 3000, 4096, 4096, 4, 132)  # a smaller weight: staged
     run_case(3000, 14336, 4096, 3, torch.float16, bias=True)
     run_case(3000, 4096, 14336, 2, torch.bfloat16)
