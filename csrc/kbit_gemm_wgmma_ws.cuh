@@ -17,10 +17,10 @@
 //        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
 //        in the main loop.
 //    The TMA cannot permute 4-byte words, and the tiled weight permutes k inside each 32-block
-//    (kbit_gemm.cuh section 3). For k = 2..4 two more warps of the producer warpgroup undo that on the weight side
-//    instead: they transpose each unit's fields among the lanes of a quad in shared memory (section 8), so the TMA
-//    reads A itself and a call is one kernel. For k = 5 (where that transpose measured slower on wide weights,
-//    section 8) the tokens are first copied once into a permuted buffer A' (the workspace, at most WS_TOKEN_BYTES: M
+//    (kbit_gemm.cuh section 3). For k = 2..4 (and k = 5 where N <= 4096) two more warps of the producer warpgroup
+//    undo that on the weight side instead: they transpose each unit's fields among the lanes of a quad in shared
+//    memory (section 8), so the TMA reads A itself and a call is one kernel. For k = 5 on wider weights (where that
+//    transpose measured slower, section 8) the tokens are first copied once into a permuted buffer A' (the workspace, at most WS_TOKEN_BYTES: M
 //    is cut into chunks of whole 256-token tiles) by kbit_permute_tokens_kernel: new word 4w + t of a block = old
 //    word 4t + w (a 4 x 4 transpose of 32-bit words). That copy is one read and one write of A at ~2 TB/s: H100,
 //    M = 1024, 9 us for K = 4096 but 29 us for K = 14336 next to a 160 us GEMM (torch.profiler,
@@ -43,9 +43,10 @@
 //    __syncthreads: the producer warps have returned). H100, k = 4, 8192 x 28672 M = 256: 322.5 us in config 6,
 //    187.7 in config 7 with 2 splits (cuBLAS fp16 183.7).
 //
-// 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES token half-steps (k 64 wide, 32 KB each,
-//    1024-aligned for the swizzle), W_STAGES weight k-steps (8 units' words + absmax, as stored in global), and 2
-//    mbarriers per token slot, 3 per weight slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
+// 3. Shared memory (one CTA per SM): the LUT (32 KB; 64 KB for the weight-transposing k = 5 kernel), TOK_STAGES
+//    token half-steps (k 64 wide, 32 KB each, 1024-aligned for the swizzle; after the main loop they hold the output
+//    tile, section 9), W_STAGES weight k-steps (8 units' words + absmax, as stored in global; 3 for that k = 5
+//    kernel, else 4), and 2 mbarriers per token slot, 3 per weight slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
 //    token producer token slots (2i, 2i + 1) % TOK_STAGES.
 //
 // 4. Consumer loop per k-step: wait w_full, load this warp's unit (LDS) and release the weight slot
