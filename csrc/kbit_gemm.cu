@@ -581,7 +581,7 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
         const void* tokens = reinterpret_cast<const uint16_t*>(p.A) + (long long)m0 * p.lda;
         long long ld = p.lda;
         if (!Cfg::TRANSPOSE) {
-            const long long threads = (long long)rows * (p.K_dim / BLOCK_ELEMS);
+            const long long threads = 4LL * rows * (p.K_dim / BLOCK_ELEMS); // a lane quad per (row, 32-block)
             kbit_permute_tokens_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, stream>>>(
                 reinterpret_cast<const uint16_t*>(tokens), A_perm, rows, p.K_dim, p.lda, p.a_vec_ok);
             if (!check_launch("ckbit_gemm permute tokens")) return;

@@ -16,15 +16,17 @@
 //      - 8 CONSUMER warps (2 warpgroups) only wait on "full", dequantize (the pair/quad LUT of
 //        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
 //        in the main loop.
-//    The TMA cannot permute 4-byte words, and the tiled weight permutes k inside each 32-block
-//    (kbit_gemm.cuh section 3). For k = 2..4 (and k = 5 where N <= 4096) two more warps of the producer warpgroup
-//    undo that on the weight side instead: they transpose each unit's fields among the lanes of a quad in shared
-//    memory (section 8), so the TMA reads A itself and a call is one kernel. For k = 5 on wider weights (where that
-//    transpose measured slower, section 8) the tokens are first copied once into a permuted buffer A' (the workspace, at most WS_TOKEN_BYTES: M
-//    is cut into chunks of whole 256-token tiles) by kbit_permute_tokens_kernel: new word 4w + t of a block = old
-//    word 4t + w (a 4 x 4 transpose of 32-bit words). That copy is one read and one write of A at ~2 TB/s: H100,
-//    M = 1024, 9 us for K = 4096 but 29 us for K = 14336 next to a 160 us GEMM (torch.profiler,
-//    dev/probe_kernel_split.py).
+//    The TMA cannot permute 4-byte words, and the tiled weight permutes k inside each 32-block (kbit_gemm.cuh section
+//    3). For k = 2..4 (and k = 5 where N <= 4096) two more warps of the producer warpgroup undo that on the weight side
+//    instead: they transpose each unit's fields among the lanes of a quad in shared memory (section 8), so the TMA
+//    reads A itself and a call is one kernel. For k = 5 on wider weights (where that transpose measured slower, section
+//    8) the tokens are first copied once into a permuted buffer A' (the workspace, at most WS_TOKEN_BYTES: M is cut
+//    into chunks of whole 256-token tiles) by kbit_permute_tokens_kernel: new word 4w + t of a block = old word 4t + w
+//    (a 4 x 4 transpose of 32-bit words). That copy is one read and one write of A. A thread per block (four 16-byte
+//    loads and stores 64 bytes apart per lane) ran it at ~2 TB/s; a lane quad per block (16-byte chunks, 512 contiguous
+//    bytes per warp instruction, the transpose by shuffles) at ~3 TB/s: H100, M = 1024, us (torch.profiler,
+//    dev/probe_kernel_split.py), K = 8192 16.7 -> 10.5, K = 4096 9.1 -> 6.8, K = 28672 53.5 -> 36.9, next to GEMM
+//    kernels of 181, 173 and 616; the call on 8192 x 8192, two rounds: 202.0 / 201.3 -> 194.0 / 193.7 (cuBLAS 181-182).
 //
 // 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens.
 //          tokens m:  0 ............................ 255
@@ -315,30 +317,42 @@ KBIT_WGMMA_RS256_SPEC(__nv_bfloat16, "bf16")
 #undef KBIT_ACC8
 
 // ---------------------------------------------------------------------------------------------
-// A -> A': the k permutation of the tiled weight applied to the tokens (section 1). One thread per
-// (row, 32-block); rows m0 .. m0 + rows of A into rows 0 .. rows of A' ([rows][K_dim], contiguous).
+// A -> A': the k permutation of the tiled weight applied to the tokens (section 1). Rows m0 .. m0 + rows of A into
+// rows 0 .. rows of A' ([rows][K_dim], contiguous). A lane quad per (row, 32-block): lane t loads 16-byte chunk t of
+// the block (old words 4t .. 4t + 3), the quad transposes the 4 x 4 words with 4 shuffle rounds, and lane t stores
+// new chunk t (new word 4t + u = old word 4u + t), so a warp reads and writes 512 contiguous bytes per instruction.
 // ---------------------------------------------------------------------------------------------
 __global__ void kbit_permute_tokens_kernel(const uint16_t* __restrict__ A, uint32_t* __restrict__ A_perm, int rows,
                                            int K_dim, int lda, int vec_ok) {
     const int blocks = K_dim / BLOCK_ELEMS;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)rows * blocks) return;
-    const int r = (int)(idx / blocks), b = (int)(idx % blocks);
-    const uint16_t* src = A + (long long)r * lda + b * BLOCK_ELEMS;
-    uint32_t w[16];
+    const long long q = idx >> 2;
+    const int t = (int)(idx & 3);
+    const bool live = q < (long long)rows * blocks; // whole quads; the others shuffle along and store nothing
+    const long long qc = live ? q : 0;
+    const int r = (int)(qc / blocks), b = (int)(qc % blocks);
+    const uint16_t* src = A + (long long)r * lda + b * BLOCK_ELEMS + 8 * t;
+    uint32_t x[4];
     if (vec_ok) {
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + c);
-            w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
-        }
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
     } else {
 #pragma unroll
-        for (int i = 0; i < 16; i++) w[i] = (uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 16);
+        for (int i = 0; i < 4; i++) x[i] = (uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 16);
+    }
+    // round i: lane t receives from lane (t + i) % 4 that lane's word t (which it sends as its word (lane - i) % 4)
+    uint32_t y[4] = {0, 0, 0, 0};
+    const int quad_base = (threadIdx.x & 31) & ~3;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int send = (t - i) & 3, from = (t + i) & 3;
+        const uint32_t v = send == 0 ? x[0] : send == 1 ? x[1] : send == 2 ? x[2] : x[3];
+        const uint32_t got = __shfl_sync(0xffffffffu, v, quad_base | from);
+#pragma unroll
+        for (int u = 0; u < 4; u++) y[u] = from == u ? got : y[u];
     }
     uint4* dst = reinterpret_cast<uint4*>(A_perm + ((long long)r * K_dim + b * BLOCK_ELEMS) / 2);
-#pragma unroll
-    for (int wd = 0; wd < 4; wd++) dst[wd] = make_uint4(w[wd], w[4 + wd], w[8 + wd], w[12 + wd]); // new 4wd + t = old 4t + wd
+    if (live) dst[t] = make_uint4(y[0], y[1], y[2], y[3]);
 }
 
 // The tile's output through shared memory (section 9), by the 256 consumer threads once every wgmma of the tile has
