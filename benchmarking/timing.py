@@ -3,6 +3,7 @@ call after warm-up, the median of many calls, and inputs rotated over enough cop
 rotation touches more than 3x the L2 cache, so data streams from DRAM as it does in inference."""
 
 import statistics
+import time
 
 import torch
 
@@ -70,14 +71,33 @@ def median_us_graph(fn, rotate: int = 1, warmup: int = 3, iters: int = 50, calls
     return statistics.median(replay_us(graph, calls, iters))
 
 
-def median_us_graphs_interleaved(paths: dict, rounds: int = 5, iters: int = 4) -> dict:
+def settle(graph: torch.cuda.CUDAGraph, seconds: float) -> None:
+    """Untimed replays of graph for `seconds` (at least one): the GPU's clock and power reach this path's
+    steady state before it is timed."""
+    end = time.perf_counter() + seconds
+    graph.replay()
+    torch.cuda.synchronize()
+    while time.perf_counter() < end:
+        graph.replay()
+        torch.cuda.synchronize()
+
+
+def median_us_graphs_interleaved(
+    paths: dict, rounds: int = 5, iters: int = 4, settle_calls: int = 0, settle_max_s: float = 0.3
+) -> dict:
     """Median per-call time of several paths of the same product, paths = {name: (fn, rotate)}, each
     replayed from its own CUDA graph (as median_us_graph) in `rounds` interleaved rounds of `iters`
     replays, the order rotating by one path each round. Timed one after the other, the paths timed last
     ran on a hotter, lower-clocked GPU at large M (H100, 4096 x 4096 M = 4096: k = 2, 3, 4, 5 in that
-    order took 218, 223, 225, 228 us on the same staged path); interleaved, drift falls on all alike.
+    order took 218, 223, 225 and 228 us on the same staged path); interleaved, drift falls on all alike.
+    settle_calls > 0: before its replays in a round, each path first runs untimed for as long as
+    settle_calls of its calls take (at most settle_max_s). Where the GPU runs at its power limit (large M)
+    its clock follows the power drawn, with a lag of ~0.1-0.3 s (dev/probe_clocks.py): without settling, a
+    path timed right after a lighter one borrows that one's higher clock and a lighter path the heavier
+    one's lower clock (H100, 14336 x 4096 M = 1024: cuBLAS fp16 at 1440 MHz and kbit_gemm k = 4 at 1570 MHz
+    when each runs on its own; in short interleaved rounds 174.8 and 204.0 us, settled 187 and 198).
     A path whose capture fails is timed with events (median_us) after the rounds."""
-    graphs, eager = {}, {}
+    graphs, eager, settle_s = {}, {}, {}
     for name, (fn, rotate) in paths.items():
         try:
             graphs[name] = capture_graph(fn, rotate)
@@ -85,10 +105,16 @@ def median_us_graphs_interleaved(paths: dict, rounds: int = 5, iters: int = 4) -
             print(f"    ({name}: graph capture failed: {type(exc).__name__}: {exc}; timing with events)")
             torch.cuda.synchronize()
             eager[name] = (fn, rotate)
+            continue
+        if settle_calls:
+            per_call_s = min(replay_us(*graphs[name], 2)) * 1e-6
+            settle_s[name] = min(settle_max_s, settle_calls * per_call_s)
     times = {name: [] for name in graphs}
     names = list(graphs)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)] if names else []:
+            if settle_calls:
+                settle(graphs[name][0], settle_s[name])
             times[name] += replay_us(*graphs[name], iters)
     result = {name: statistics.median(t) for name, t in times.items()}
     for name, (fn, rotate) in eager.items():

@@ -88,7 +88,13 @@
 //      C7513); persistent CTAs (min(tiles, SMs) CTAs looping over tiles, the LUT built once, the producer
 //      running into the next tile during the epilogue): 14336 x 4096 M=512 100.5 / 101.9 -> 109.4 / 108.5,
 //      M=1024 214.4 / 217.1 -> 225.3 / 227.2, 28672 x 8192 equal (two rounds; the hardware's block
-//      scheduler balances the waves better than a static round robin).
+//      scheduler balances the waves better than a static round robin). Rebuilt on this kernel for many waves (from
+//      1 or 2 waves of tiles, the tile's output leaving through the token slots of its last k-step, held until the
+//      stores have read them, so the token producer runs a k-step into the next tile during the epilogue; H100,
+//      k = 4, us, two rounds, settled timing, one CTA per tile -> persistent from 2 waves): 14336 x 4096 M=4096
+//      776 / 766 -> 809 / 793, M=2048 382 / 385 -> 385 / 382, 4096 x 14336 M=4096 752 / 765 -> 780 / 769, 8192 x
+//      8192 M=4096 869 / 848 -> 875 / 889, 28672 x 8192 M=4096 3057 / 3026 -> 3059 / 3048; from 1 wave also M=1024
+//      (no tail split then) 14336 x 4096 201 / 202 -> 209 / 211. Still slower: not kept.
 //
 // 7. The partial last wave. One CTA per SM runs the tiles in waves, and the time follows the number of waves, not
 //    of tiles (H100, k = 4, M = 1024, us: 12672 x 4096 = 396 tiles = 3 waves 172, 14336 x 4096 = 448 tiles = 3.4

@@ -67,6 +67,9 @@ def main():
     ap.add_argument("--nf4", action="store_true", help="also time bitsandbytes NF4 (quantize_4bit + matmul_4bit)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (4 replays each) per path")
     ap.add_argument("--produce-a", action="store_true", help="an elementwise kernel writes A before every call")
+    ap.add_argument(
+        "--settle", type=int, default=0, help="untimed calls of a path before each of its rounds (timing.py; 0: none)"
+    )
     args = ap.parse_args()
     global PRODUCE_A
     PRODUCE_A = args.produce_a
@@ -113,7 +116,7 @@ def main():
                         paths[name] = (run, rot)
                     except Exception as exc:  # noqa: BLE001
                         failed[name] = f"fail:{type(exc).__name__}"
-                times = median_us_graphs_interleaved(paths, rounds=args.rounds, iters=4)
+                times = median_us_graphs_interleaved(paths, rounds=args.rounds, iters=4, settle_calls=args.settle)
                 cells = []
                 for name in ["fp16", "nf4"] + [v[0] for v in variants]:
                     if name in failed:
