@@ -278,8 +278,9 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 //             1944.9 vs 1801.8), 28672 x 8192 6644.0 vs 6383.0: the 32 token tiles of a weight tile no longer share it
 //             through the L2 (m tile fastest, A itself 64-448 MB)
 // so config 7 up to 4096 tokens on weights of 32M elements or more, and up to 1024 below (4096 x 4096, 1024 x 4096).
-// k = 5 the same since the benchmark times each path at its own steady-state clock (docs/kernel.md, "At the power
-// limit"). Before, timed in short interleaved rounds that gave cuBLAS-heavy paths the clock of the lighter ones, k = 5
+// k = 5 the same where it permutes the tokens (N > WS_K5_TRANSPOSE_MAX_N), since the benchmark times each path at its
+// own steady-state clock (docs/kernel.md, "At the power limit"); its weight-transposing kernel (N <= 4096) stops at
+// WS_MAX_M_K5_TRANSPOSED. Before, timed in short interleaved rounds that gave cuBLAS-heavy paths the clock of the lighter ones, k = 5
 // stopped at 2048 tokens below N = 16384 (its kernels pay the token permute or the slower weight transpose,
 // kbit_gemm_wgmma_ws.cuh section 8): at M = 4096 it lost to the staged path on 8192 x 8192 960.6 vs 906.7, 4096 x
 // 14336 834.9 vs 778.6 and 8192 x 28672 3191.8 vs 3133.0 there. Settled (H100, k = 5, M = 4096, us, three rounds,
@@ -287,8 +288,12 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 // 8192 913.9 vs 930.5 (861.9), 8192 x 28672 2921.9 vs 3167.7 (2902.7), 28672 x 8192 3080.6 vs 3213.9 (2896.6); M =
 // 2048: 386.8 vs 434.6, 415.3 vs 427.9, 462.3 vs 482.1, 1483.7 vs 1678.2, 1510.0 vs 1648.6. (The same launch timed
 // twice in one such run differed by up to 8%: 14336 x 4096 k = 3 M = 4096 761.1 and 829.3.)
+// The benchmark run after that (config 7 for every k = 5 weight at M = 4096) had 4096 x 14336 at 811.3 us against
+// cuBLAS 718.6 (0.89x), where the staged path had run at 0.94x in the run before; the other k = 5 weights moved within
+// the spread (8192 x 28672 3112 -> 3001 us, 14336 x 4096 799.5 -> 801.8). So the transposing kernel keeps 2048.
 constexpr int WS_MIN_M = 129;
 constexpr int WS_MAX_M = 4096;
+constexpr int WS_MAX_M_K5_TRANSPOSED = 2048;
 constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
 constexpr long long WS_LARGE_WEIGHT = 1LL << 25; // 4096 x 8192 and up, not 4096 x 4096
 // Config 7 tiles of one launch (one chunk of M, ws_token_rows)
@@ -350,7 +355,8 @@ static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_bits, int k_spli
     return partial + tokens == 0 ? 0 : COUNTER_REGION_BYTES + partial + tokens;
 }
 static bool ws_config_fits(int M, int N, int K_dim, int k_bits, int sm_count) {
-    if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
+    const int max_m = k_bits == 5 && !ws_permuted_tokens(k_bits, N) ? WS_MAX_M_K5_TRANSPOSED : WS_MAX_M;
+    if (M < WS_MIN_M || M > max_m || !wgmma_available()) return false;
     if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT) return false;
     const long long ctas = ws_tiles(M, N, K_dim, k_bits) * ws_splits(M, N, K_dim, k_bits, sm_count);
     return 4 * ctas >= 3LL * (sm_count > 0 ? sm_count : 1);

@@ -333,8 +333,8 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
     """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one) in one
     launch (k = 3, and k = 5 with N <= 4096: the weight-transposing kernels) and, for k = 5 on a wider weight, in two
     permuted-token chunks (K = 14336 fits 2304 tokens per chunk); and the dispatcher's large-M choice for a wide
-    weight (config 7: tensor map, kernel) at 3000 tokens, and at 512 captured in a CUDA graph with out= and replayed on
-    new data."""
+    weight (config 7: tensor map, kernel) at 3000 tokens (k = 5 with N <= 4096: 2000), and at 512 captured in a CUDA
+    graph with out= and replayed on new data."""
     run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
     run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
     run_case(2400, 4200, 14336, 5, torch.float16, bias=True, config=7)
@@ -342,7 +342,9 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
     from bitsandbytes_kbit.backends.cuda.ops import _staged_preferred, get_lib
 
     for (N, K_dim), k in itertools.product(((14336, 4096), (4096, 14336)), KS):
-        assert not _staged_preferred(get_lib(), torch.device("cuda"), 3000, N, K_dim, k, 132), (N, K_dim, k)
+        transposing_k5 = k == 5 and N <= 4096  # (its weight-transposing kernel: up to 2048 tokens)
+        assert _staged_preferred(get_lib(), torch.device("cuda"), 3000, N, K_dim, k, 132) == transposing_k5, (N, K_dim, k)
+        assert not _staged_preferred(get_lib(), torch.device("cuda"), 2000, N, K_dim, k, 132), (N, K_dim, k)
         assert _staged_preferred(get_lib(), torch.device("cuda"), 4100, N, K_dim, k, 132), (N, K_dim, k)  # above 4096
     assert _staged_preferred(get_lib(), torch.device("cuda"), 3000, 4096, 4096, 4, 132)  # a smaller weight: staged
     run_case(3000, 14336, 4096, 3, torch.float16, bias=True)

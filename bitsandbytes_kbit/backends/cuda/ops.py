@@ -218,7 +218,7 @@ def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.
 
 # The large-M path: above STAGED_MIN_M - 1 tokens the product is bound by the tensor cores. Where the
 # native dispatcher says so (ckbit_gemm_staged_preferred: everywhere but Hopper, where the warp-specialised
-# fused config 7 takes M = 257..1024, 4096 for weights of 2^25 elements or more,
+# fused config 7 takes M = 257..1024, 4096 for weights of 2^25 elements or more (k = 5 with N <= 4096: 2048),
 # when its tiles fill the GPU, csrc/kbit_gemm.cu), the weight is dequantized in chunks to a cached scratch and cuBLAS multiplies (H200:
 # dev/sm90/staged.py, in git history up to commit 8797cd7, and benchmarking/bench_kbit_gemm.py). M <= 256
 # never takes it, so no fp16 copy of W is made there. The scratch holds at most STAGING_BYTES (one chunk),
@@ -292,7 +292,7 @@ def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> boo
 def _staged_preferred(lib, device, M, N, K_dim, k, sms) -> bool:
     """The native dispatcher's choice between the staged path and the fused kernel above STAGED_MIN_M - 1
     tokens: on Hopper the warp-specialised config 7 takes M up to 1024 (4096 for weights of 2^25 elements or
-    more) when its tiles fill the GPU."""
+    more; k = 5 with N <= 4096: 2048) when its tiles fill the GPU."""
     lib.ckbit_gemm_staged_preferred.restype = ct.c_int
     lib.ckbit_gemm_staged_preferred.argtypes = [ct.c_int] * 5
     with torch.cuda.device(device):
