@@ -18,9 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarking")
 from timing import capture_graph, replay_us
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_paths import weight_copies
-
-import bitsandbytes_kbit.functional as F
+from probe_paths import kbit_vs_fp16_cases
 
 
 class ClockSampler:
@@ -92,33 +90,22 @@ def main():
     graph, calls = capture_graph(lambda i: x.add_(1.0), rotate=1, calls_per_graph=64)
     print(f"trivial kernel in a graph: {statistics.median(replay_us(graph, calls, 50)):.2f} us per call")
 
-    for shape in args.shapes:
-        N, K = (int(v) for v in shape.split("x"))
-        W = (torch.randn(N, K, device="cuda") * 0.02).half()
-        for k in args.ks:
-            _, _, cb, w_copies, copies = weight_copies(W, k)
-            for M in args.ms:
-                A = torch.randn(M, K, device="cuda").half()
-                out = torch.empty(M, N, dtype=A.dtype, device="cuda")
-                paths = {
-                    "kbit": (lambda i: F.kbit_gemm(A, *copies[i % len(copies)], cb, k, N, K, out=out), len(copies)),
-                    "fp16": (lambda i: torch.matmul(A, w_copies[i % len(w_copies)].t(), out=out), len(w_copies)),
-                }
-                graphs = {name: capture_graph(fn, rot) for name, (fn, rot) in paths.items()}
-                if args.trace:
-                    for before, after in (("kbit", "fp16"), ("fp16", "kbit")):
-                        sustained(*graphs[before], args.seconds)
-                        print(f"{shape:>11s} M={M:5d} k={k} {after} right after {before}, per-call us by 25 ms:")
-                        print("   ", " ".join(f"{us:.0f}" for us in trace(*graphs[after], 0.6)))
-                    continue
-                for rnd in range(2):
-                    for name, (g, c) in graphs.items():
-                        us_cold = cold(g, c)
-                        us, mhz, watts = sustained(g, c, args.seconds)
-                        print(
-                            f"{shape:>11s} M={M:5d} k={k} {name:5s} round {rnd}: cold {us_cold:8.1f} us, "
-                            f"sustained {us:8.1f} us at {mhz:6.0f} MHz {watts:6.0f} W"
-                        )
+    for shape, M, k, paths in kbit_vs_fp16_cases(args.shapes, args.ks, args.ms):
+        graphs = {name: capture_graph(fn, rot) for name, (fn, rot) in paths.items()}
+        if args.trace:
+            for before, after in (("kbit", "fp16"), ("fp16", "kbit")):
+                sustained(*graphs[before], args.seconds)
+                print(f"{shape:>11s} M={M:5d} k={k} {after} right after {before}, per-call us by 25 ms:")
+                print("   ", " ".join(f"{us:.0f}" for us in trace(*graphs[after], 0.6)))
+            continue
+        for rnd in range(2):
+            for name, (g, c) in graphs.items():
+                us_cold = cold(g, c)
+                us, mhz, watts = sustained(g, c, args.seconds)
+                print(
+                    f"{shape:>11s} M={M:5d} k={k} {name:5s} round {rnd}: cold {us_cold:8.1f} us, "
+                    f"sustained {us:8.1f} us at {mhz:6.0f} MHz {watts:6.0f} W"
+                )
 
 
 if __name__ == "__main__":

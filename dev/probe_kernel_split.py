@@ -10,12 +10,9 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as torch_F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_paths import weight_copies
-
-import bitsandbytes_kbit.functional as F
+from probe_paths import kbit_vs_fp16_cases
 
 
 def kernel_times(fn, iters):
@@ -40,21 +37,10 @@ def main():
     ap.add_argument("--iters", type=int, default=40)
     args = ap.parse_args()
     print(torch.cuda.get_device_name())
-    for shape in args.shapes:
-        N, K = (int(x) for x in shape.split("x"))
-        W = (torch.randn(N, K, device="cuda") * 0.02).half()
-        for k in args.ks:
-            _, _, cb, w_copies, copies = weight_copies(W, k)
-            for M in args.ms:
-                A = torch.randn(M, K, device="cuda").half()
-                out = torch.empty(M, N, dtype=A.dtype, device="cuda")
-                paths = {
-                    "kbit": lambda i: F.kbit_gemm(A, *copies[i % len(copies)], cb, k, N, K, out=out),
-                    "fp16": lambda i: torch.matmul(A, w_copies[i % len(w_copies)].t(), out=out),
-                }
-                for name, fn in paths.items():
-                    for kn, (per_call, us) in kernel_times(fn, args.iters).items():
-                        print(f"{shape:>11s} M={M:5d} k={k} {name:5s} {per_call:4.1f}x {us:8.1f} us  {kn}")
+    for shape, M, k, paths in kbit_vs_fp16_cases(args.shapes, args.ks, args.ms):
+        for name, (fn, _) in paths.items():
+            for kn, (per_call, us) in kernel_times(fn, args.iters).items():
+                print(f"{shape:>11s} M={M:5d} k={k} {name:5s} {per_call:4.1f}x {us:8.1f} us  {kn}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,27 @@ def weight_copies(W, k):
     return packed, absmax, cb, w_copies, [(Bp, Ba)] + [(Bp.clone(), Ba.clone()) for _ in range(n - 1)]
 
 
+def kbit_vs_fp16_cases(shapes, ks, ms):
+    """For each "NxK" shape, k and M: (shape, M, k, {"kbit": (fn(i), rotate), "fp16": (fn(i), rotate)}), one call of
+    kbit_gemm or cuBLAS fp16 on weight copy i (rotated past the L2) into one output."""
+    for shape in shapes:
+        N, K = (int(v) for v in shape.split("x"))
+        W = (torch.randn(N, K, device="cuda") * 0.02).half()
+        for k in ks:
+            _, _, cb, w_copies, copies = weight_copies(W, k)
+            for M in ms:
+                A = torch.randn(M, K, device="cuda").half()
+                out = torch.empty(M, N, dtype=A.dtype, device="cuda")
+
+                def kbit(i, A=A, out=out, cb=cb, copies=copies, k=k, N=N, K=K):
+                    F.kbit_gemm(A, *copies[i % len(copies)], cb, k, N, K, out=out)
+
+                def fp16(i, A=A, out=out, w_copies=w_copies):
+                    torch.matmul(A, w_copies[i % len(w_copies)].t(), out=out)
+
+                yield shape, M, k, {"kbit": (kbit, len(copies)), "fp16": (fp16, len(w_copies))}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["14336x4096", "4096x14336", "8192x8192"])

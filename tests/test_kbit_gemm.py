@@ -341,12 +341,15 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
     # the dispatcher's own choice at 3000 tokens on a weight of 2^25 elements or more (132 SMs): config 7, not staged
     from bitsandbytes_kbit.backends.cuda.ops import _staged_preferred, get_lib
 
+    def staged(M, N, K_dim, k):
+        return _staged_preferred(get_lib(), torch.device("cuda"), M, N, K_dim, k, 132)
+
     for (N, K_dim), k in itertools.product(((14336, 4096), (4096, 14336)), KS):
         transposing_k5 = k == 5 and N <= 4096  # (its weight-transposing kernel: up to 2048 tokens)
-        assert _staged_preferred(get_lib(), torch.device("cuda"), 3000, N, K_dim, k, 132) == transposing_k5, (N, K_dim, k)
-        assert not _staged_preferred(get_lib(), torch.device("cuda"), 2000, N, K_dim, k, 132), (N, K_dim, k)
-        assert _staged_preferred(get_lib(), torch.device("cuda"), 4100, N, K_dim, k, 132), (N, K_dim, k)  # above 4096
-    assert _staged_preferred(get_lib(), torch.device("cuda"), 3000, 4096, 4096, 4, 132)  # a smaller weight: staged
+        assert staged(3000, N, K_dim, k) == transposing_k5, (N, K_dim, k)
+        assert not staged(2000, N, K_dim, k), (N, K_dim, k)
+        assert staged(4100, N, K_dim, k), (N, K_dim, k)  # above 4096
+    assert staged(3000, 4096, 4096, 4)  # a smaller weight: staged
     run_case(3000, 14336, 4096, 3, torch.float16, bias=True)
     run_case(3000, 4096, 14336, 2, torch.bfloat16)
     run_case(3000, 14336, 4096, 5, torch.float16)
