@@ -2,7 +2,9 @@
 # On the GPU machine, from the repository root, after benchmarking/prepare_gpu_run.sh here:
 #   bash benchmarking/run_gpu.sh            (carry .whl)
 # Runs the CUDA tests and the benchmarks in one call; logs and JSON go to $OUT (or ./out);
-# the short tables are printed last.
+# the short tables are printed last. The tests take ~4.5 min on an H100 and the GEMM benchmark ~6 min
+# (each path settles at its own clock first): where one call is limited to 10 minutes, run
+# KBIT_SKIP_GEMM_BENCH=1 and then KBIT_SKIP_TESTS=1 KBIT_SKIP_DEQUANT_BENCH=1.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-$root/out}"
@@ -15,8 +17,11 @@ print('torch', torch.__version__, 'bnb', bitsandbytes.__version__, 'kbit', bk.__
 assert bitsandbytes.functional.quantize_kbit is bk.quantize_kbit") 2>&1 | grep -v kernels-community | tee -a "$out/gpu.txt"
 
 # tests: run from tests/ so the installed package (with its library) is imported, not the source tree
-(cd "$root/tests" && timeout ${KBIT_TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider ${KBIT_TEST_ARGS:-.} 2>&1) > "$out/pytest.log"
-pytest_rc=$?
+pytest_rc=0
+if [ -z "${KBIT_SKIP_TESTS:-}" ]; then
+    (cd "$root/tests" && timeout ${KBIT_TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider ${KBIT_TEST_ARGS:-.} 2>&1) > "$out/pytest.log"
+    pytest_rc=$?
+fi
 
 cd "$root/benchmarking"
 [ -z "${KBIT_SKIP_DEQUANT_BENCH:-}" ] && python3 bench_dequantize.py --json "$out/dequantize.json" > "$out/bench_dequantize.log" 2>&1
@@ -31,8 +36,10 @@ if [ -n "${KBIT_DEMO:-}" ]; then  # the main job on the GPU; without the model p
 fi
 
 echo "==================== summary"
-grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -30
-tail -n 3 "$out/pytest.log"
+if [ -f "$out/pytest.log" ]; then
+    grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -30
+    tail -n 3 "$out/pytest.log"
+fi
 [ -f "$out/bench_dequantize.log" ] && tail -n 8 "$out/bench_dequantize.log"
 [ -f "$out/bench_kbit_gemm.log" ] && tail -n 60 "$out/bench_kbit_gemm.log"
 [ -f "$out/demo.log" ] && tail -n 12 "$out/demo.log"
