@@ -553,6 +553,30 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
     check_launch("ckbit_gemm wgmma");
 }
 
+// Config 7's token multicast (kbit_gemm_wgmma_ws.cuh section 10) launches clusters of 2 CTAs: whether the kernel can
+// run them at all on this device (cached per device)
+template <typename Kernel> static bool ws_multicast_fits(Kernel kernel, int threads, int smem_bytes) {
+#ifdef KBIT_WS_NO_MULTICAST // A/B timing builds (dev/build_variant.sh)
+    return false;
+#endif
+    static signed char s_known[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 64) return false;
+    if (s_known[dev] == 0) {
+        cudaLaunchAttribute attr;
+        cudaLaunchConfig_t cfg = split_cluster_launch(dim3(2, 1), threads, smem_bytes, nullptr, attr);
+        attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1;
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+            cudaGetLastError(); // a refusal only means: no multicast
+            clusters = 0;
+        }
+        s_known[dev] = clusters > 0 ? 1 : -1;
+    }
+    return s_known[dev] > 0;
+}
+
 // config 7 per chunk of M (ws_token_rows): for the token-permuting kernel (k = 5, wide N) permute the chunk's tokens
 // into the workspace (after the counter region, which stays zero, and the partial tiles), else read A itself (one
 // chunk); encode the tensor map, launch one CTA per (128-row, 256-token) tile and k split, m tile fastest
@@ -594,19 +618,28 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
             tokens = A_perm;
             ld = p.K_dim;
         }
-        CUtensorMap map;
-        if (!make_token_map(&map, tokens, rows, p.K_dim, ld, Cfg::TOK)) {
-            set_error("ckbit_gemm", "cuTensorMapEncodeTiled failed for the tokens");
-            return;
-        }
         KbitGemmParams q = p;
         q.M = rows;
         q.C = reinterpret_cast<char*>(p.C) + (long long)m0 * p.N * (long long)sizeof(T);
-        const int tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS) * ceil_div(rows, Cfg::TOK);
+        const int n_tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS), tiles = n_tiles * ceil_div(rows, Cfg::TOK);
         const int tail = k_splits > 1 ? 0 : ws_tail_tiles(tiles, p.k_steps, sm_count);
         q.ws_tail_from = tiles - tail;
+        q.ws_multicast = k_splits == 1 && tail == 0 && n_tiles % 2 == 0 &&
+                         ws_multicast_fits(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::WS_THREADS, Cfg::SMEM_BYTES);
+        CUtensorMap map;
+        if (!make_token_map(&map, tokens, rows, p.K_dim, ld, q.ws_multicast ? Cfg::TOK / 2 : Cfg::TOK)) {
+            set_error("ckbit_gemm", "cuTensorMapEncodeTiled failed for the tokens");
+            return;
+        }
         const dim3 grid(tiles + tail, k_splits);
-        kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(q, map);
+        if (q.ws_multicast) {
+            cudaLaunchAttribute attr;
+            cudaLaunchConfig_t cfg = split_cluster_launch(grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream, attr);
+            attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1;
+            cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_ws_kernel<Cfg, T>, q, map);
+        } else {
+            kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(q, map);
+        }
         if (!check_launch("ckbit_gemm wgmma-ws")) return;
     }
 }
@@ -664,6 +697,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     set_tiled_weight(p, B_packed, B_absmax, codebook, codebook_len, N, K_dim);
     p.cluster_reduce = 0;
     p.ws_tail_from = 0x7fffffff;
+    p.ws_multicast = 0;
     p.A = A;
     p.bias = bias;
     p.C = C;

@@ -570,6 +570,7 @@ struct KbitGemmParams {
     int a_rows;             // token rows of A staged per k-step: min(M, TILE_M)
     int cluster_reduce;     // config 6: the k_splits CTAs of a tile are one cluster and reduce through DSMEM
     int ws_tail_from;       // config 7 without k_splits: tiles from here on run as two CTAs of half the k-steps
+    int ws_multicast;       // config 7: clusters of 2 CTAs share the token tile (TMA multicast)
 };
 
 // build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES.

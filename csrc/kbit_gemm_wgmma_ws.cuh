@@ -154,6 +154,26 @@
 //    -> 199.4 / 203.7 (201.4), 28672 x 8192 801.1 / 804.7 -> 717.1 / 725.9 (696.2); M = 512: 14336 x 4096 108.1 /
 //    109.2 -> 98.2 / 100.6, 28672 x 8192 418.0 / 428.0 -> 395.3 / 403.0. That moved config 7 ahead of the staged
 //    path up to M = 4096 (kbit_gemm.cu, WS_MAX_M).
+//
+// 10. Token multicast (p.ws_multicast). The tokens are most of what the TMA moves (per k-step 64 KB of them against
+//    8 KB of k = 4 weights). Where a launch has no k splits, no split tail and an even number of weight tiles, the CTAs
+//    of weight tiles 2c and 2c + 1 of one m tile run as a cluster of 2 and share the token tile: each one's producer
+//    loads its 128 rows of every box with .multicast::cluster into the same slot of both CTAs, and each consumer warp
+//    releases a token slot in both (t_empty counts 16 arrives), so a slot is refilled when both have read it:
+//          cluster c:  CTA rank 0 = weight tile 2 (c / m_tiles),     m tile c % m_tiles, token rows   0..127 -> both
+//                      CTA rank 1 = weight tile 2 (c / m_tiles) + 1, same m tile,        token rows 128..255 -> both
+//    The producer waits for the partner's last releases before it returns, so neither CTA exits while the other may
+//    still arrive on its barriers. H100, k = 4 / 5, M = 4096, us, medians of three rounds in alternating processes
+//    (dev/probe_paths.py): 14336 x 4096 827 / 817 -> 797 / 794, 4096 x 14336 745 / 767 -> 719 / 772, 8192 x 8192
+//    882 / 915 -> 850 / 877, 28672 x 8192 3033 / 3058 -> 3062 / 3084 (M = 1024 there, two rounds, k = 4: 755 / 732 ->
+//    728 / 732); cuBLAS fp16 moved by up to 10% between the processes of that run. What it took:
+//    - the consumers' remote arrive with .release.cluster semantics (a cluster-scope fence per release) made the kernel
+//      25-35% slower (14336 x 4096 M = 4096 815 -> 1006, 28672 x 8192 M = 1024 735 -> 954); the default (.release.cta,
+//      as CUTLASS's cluster barriers use) costs nothing. A relay through the producers (each waits for its consumers,
+//      then arrives on a pair barrier of both CTAs) was as slow (916 / 864) with or without the multicast; launching
+//      the clusters alone (grid order and cluster scheduling, no coupling) changed nothing.
+//    - A timing-only build that loaded half the token rows (the other half stale, KBIT_PROBE-style, not kept) had
+//      promised 5-10% (14336 x 4096 M = 4096 815 -> 726): with stale operands the tensor cores may also draw less power.
 // ============================================================================================
 #pragma once
 
@@ -249,6 +269,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     } while (!done);
 #endif
 }
+// the same, acquiring at cluster scope what the other CTA released before its arrive (mbar_arrive_cluster)
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    uint32_t done = 0;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+#endif
+}
 __device__ __forceinline__ void bulk_copy_g2s(uint32_t s_dst, const void* g_src, uint32_t bytes, uint32_t bar) {
     KBIT_SM90A_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(s_dst),
                    "l"(g_src), "r"(bytes), "r"(bar)
@@ -259,6 +292,19 @@ __device__ __forceinline__ void tma_load_2d(uint32_t s_dst, const CUtensorMap* m
                        s_dst),
                    "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
                    : "memory");
+}
+// the same box into the shared memory of every CTA of the cluster in cta_mask (at the same offset, completing on the
+// mbarrier at the same offset in each)
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t s_dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
+                                                      uint16_t cta_mask) {
+    KBIT_SM90A_ASM("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+                   " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(s_dst),
+                   "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+                   : "memory");
+}
+// arrive on an mbarrier of another CTA of the cluster (s_cluster_addr: map_to_rank)
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t s_cluster_addr) {
+    KBIT_SM90A_ASM("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(s_cluster_addr) : "memory");
 }
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -417,6 +463,7 @@ __device__ __forceinline__ void ws_store_tile(const float (&acc)[128], const Kbi
 // ---------------------------------------------------------------------------------------------
 template <class Cfg> struct WsSmem {
     uint32_t tok, lut, w, bar; // shared addresses of the token ring, LUT, weight ring, barriers
+    uint32_t peer_t_empty;     // token multicast (section 10): t_empty(0) of the other CTA of the cluster, else 0
     __device__ __forceinline__ uint32_t tok_slot(int s) const { return tok + s * Cfg::TOK_HALF_BYTES; }
     __device__ __forceinline__ uint32_t w_slot(int s) const { return w + s * Cfg::W_STAGE_BYTES; }
     __device__ __forceinline__ uint32_t t_full(int s) const { return bar + 8 * s; }
@@ -456,15 +503,28 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
     }
 }
 
+// With the token multicast (section 10) the two CTAs of a cluster share the token tile: each loads its 128 rows of
+// every box into both CTAs. A slot is refilled only when the consumers of both have released it (each consumer warp
+// arrives on t_empty of both CTAs); before it returns, the producer waits for the releases still to come, so that
+// no CTA exits while the other may still arrive on its barriers.
 template <class Cfg>
 __device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const WsSmem<Cfg>& sm, int m_base,
-                                                  int k_begin, int n_steps) {
+                                                  int k_begin, int n_steps, bool multicast) {
+    const int rank = multicast ? (int)cluster_rank() : 0;
+    const uint32_t dst_off = rank * (Cfg::TOK / 2) * 128;
     for (int j = 0; j < 2 * n_steps; j++) { // half j of this split = k (k_begin + j / 2) * UNIT_K + (j % 2) * HALF_K
         const int ts = j % Cfg::TOK_STAGES;
         mbar_wait(sm.t_empty(ts), ((j / Cfg::TOK_STAGES) & 1) ^ 1);
-        mbar_arrive_expect_tx(sm.t_full(ts), Cfg::TOK_HALF_BYTES);
-        tma_load_2d(sm.tok_slot(ts), tmap, k_begin * UNIT_K + j * Cfg::HALF_K, m_base, sm.t_full(ts));
+        mbar_arrive_expect_tx(sm.t_full(ts), Cfg::TOK_HALF_BYTES); // both CTAs' rows
+        const int k = k_begin * UNIT_K + j * Cfg::HALF_K;
+        if (multicast)
+            tma_load_2d_multicast(sm.tok_slot(ts) + dst_off, tmap, k, m_base + rank * (Cfg::TOK / 2), sm.t_full(ts), 0x3);
+        else
+            tma_load_2d(sm.tok_slot(ts), tmap, k, m_base, sm.t_full(ts));
     }
+    if (multicast) // the releases still to come (both CTAs' consumers release up to half 2 n_steps - 1 - LAG)
+        for (int h = max(0, 2 * n_steps - Cfg::TOK_STAGES); h < 2 * n_steps - Cfg::FRAG_SLOTS / 2; h++)
+            mbar_wait_cluster(sm.t_empty(h % Cfg::TOK_STAGES), (h / Cfg::TOK_STAGES) & 1);
 }
 
 // Section 8: the quad transpose (even k). Lane (g, t) of a unit holds the fields of its physical pairs 4t .. 4t + 3
@@ -664,6 +724,9 @@ __device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg
     for (int s = 0; s < 2; s++) // k16 step s of the block: bytes 32 ((BLK % 2) * 2 + s) of each 128-byte token row
         WgmmaRS256<T>::run(acc, frag[F][s], smem_desc_sw128(sm.tok_slot(ts) + ((BLK % 2) * 2 + s) * 32), s > 0 ? 1u : accumulate);
     wgmma_commit();
+    if constexpr (BLK % 2 == 1) // the token slot released above, in the other CTA of a multicast cluster too
+        if (sm.peer_t_empty != 0u && j >= Cfg::FRAG_SLOTS / 2 && lane == 0)
+            mbar_arrive_cluster(sm.peer_t_empty + 8u * (uint32_t)((j - Cfg::FRAG_SLOTS / 2) % Cfg::TOK_STAGES));
     if constexpr (BLK + 1 == UNIT_BLOCKS) fetch_next(); // after the issue: before it, ptxas serialized the wgmmas (C7513)
 }
 
@@ -706,13 +769,16 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     const int k_begin = split * ks;
     const int n_steps = min(ks, p.k_steps - k_begin);
     const int m_tiles = (p.M + Cfg::TOK - 1) / Cfg::TOK;
-    const int m_base = (tile % m_tiles) * Cfg::TOK;
-    const int n16_cta = (tile / m_tiles) * Cfg::CONSUMER_WARPS;
+    const bool multicast = p.ws_multicast != 0; // clusters of 2 along x: the CTAs of weight tiles 2c, 2c + 1, one m tile
+    const int m_idx = multicast ? (tile / 2) % m_tiles : tile % m_tiles;
+    const int n_idx = multicast ? (tile / 2) / m_tiles * 2 + tile % 2 : tile / m_tiles;
+    const int m_base = m_idx * Cfg::TOK;
+    const int n16_cta = n_idx * Cfg::CONSUMER_WARPS;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < Cfg::TOK_STAGES; s++) {
             mbar_init(sm.t_full(s), 1);
-            mbar_init(sm.t_empty(s), Cfg::CONSUMER_WARPS);
+            mbar_init(sm.t_empty(s), Cfg::CONSUMER_WARPS * (multicast ? 2 : 1));
         }
         for (int s = 0; s < Cfg::W_STAGES; s++) {
             mbar_init(sm.w_full(s), 1);
@@ -721,12 +787,15 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         }
         KBIT_SM90A_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    if (multicast) cluster_barrier(); // both CTAs' barriers exist before either multicasts or arrives remotely
+    else __syncthreads();
+    sm.peer_t_empty = multicast ? map_to_rank(sm.t_empty(0), cluster_rank() ^ 1u) : 0u;
 
     if (warp >= Cfg::CONSUMER_WARPS) {
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
         if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
-        if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0) ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps);
+        if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0)
+            ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps, multicast);
         if constexpr (Cfg::TRANSPOSE)
             if (warp >= Cfg::CONSUMER_WARPS + 2) ws_transpose_weights<Cfg>(sm, n_steps, warp - Cfg::CONSUMER_WARPS - 2, lane);
         return;
