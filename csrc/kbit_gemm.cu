@@ -624,7 +624,7 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
         const int n_tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS), tiles = n_tiles * ceil_div(rows, Cfg::TOK);
         const int tail = k_splits > 1 ? 0 : ws_tail_tiles(tiles, p.k_steps, sm_count);
         q.ws_tail_from = tiles - tail;
-        q.ws_multicast = k_splits == 1 && tail == 0 && n_tiles % 2 == 0 &&
+        q.ws_multicast = k_splits == 1 && tail % 2 == 0 && n_tiles % 2 == 0 &&
                          ws_multicast_fits(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::WS_THREADS, Cfg::SMEM_BYTES);
         CUtensorMap map;
         if (!make_token_map(&map, tokens, rows, p.K_dim, ld, q.ws_multicast ? Cfg::TOK / 2 : Cfg::TOK)) {

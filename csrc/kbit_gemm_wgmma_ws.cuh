@@ -156,7 +156,9 @@
 //    path up to M = 4096 (kbit_gemm.cu, WS_MAX_M).
 //
 // 10. Token multicast (p.ws_multicast). The tokens are most of what the TMA moves (per k-step 64 KB of them against
-//    8 KB of k = 4 weights). Where a launch has no k splits, no split tail and an even number of weight tiles, the CTAs
+//    8 KB of k = 4 weights). Where a launch has no k splits, an even number of weight tiles and of split tail tiles
+//    (section 7; there a cluster is the same k half of two tiles: tail CTA j runs half j / 2 % 2 of tile
+//    F + j / 4 * 2 + j % 2), the CTAs
 //    of weight tiles 2c and 2c + 1 of one m tile run as a cluster of 2 and share the token tile: each one's producer
 //    loads its 128 rows of every box with .multicast::cluster into the same slot of both CTAs, and each consumer warp
 //    releases a token slot in both (t_empty counts 16 arrives), so a slot is refilled when both have read it:
@@ -762,9 +764,10 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     // split blockIdx.y of the k-steps (section 2); the host plans no empty split (ws_splits). Without k splits, the
     // tiles of a partial last wave run as two CTAs each, half the k-steps apiece, last in the grid (section 7)
     int tile = blockIdx.x, split = blockIdx.y, n_splits = p.k_splits, ks = p.ks_per_split, slot_tile = blockIdx.x;
-    if (n_splits == 1 && tile >= p.ws_tail_from) {
+    if (n_splits == 1 && tile >= p.ws_tail_from) { // with the multicast the clusters pair tiles 2c, 2c + 1 per half
         const int j = tile - p.ws_tail_from;
-        tile = p.ws_tail_from + j / 2, split = j % 2, n_splits = 2, ks = (p.k_steps + 1) / 2, slot_tile = j / 2;
+        tile = p.ws_tail_from + (p.ws_multicast ? j / 4 * 2 + j % 2 : j / 2);
+        split = p.ws_multicast ? j / 2 % 2 : j % 2, n_splits = 2, ks = (p.k_steps + 1) / 2, slot_tile = tile - p.ws_tail_from;
     }
     const int k_begin = split * ks;
     const int n_steps = min(ks, p.k_steps - k_begin);

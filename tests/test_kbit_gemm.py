@@ -399,13 +399,16 @@ def test_cuda_gemm_warp_specialised_split_k(k):
 @pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_warp_specialised_token_multicast(k):
     """Config 7 with the token multicast (the CTAs of two weight tiles of one m tile run as a cluster and share its
-    tokens: launches without k splits or a split tail, with an even number of weight tiles): a partial last weight
-    tile (N = 1000: 8 tiles) and a last m tile whose second 128 rows all lie past M (M = 600), planned for 24 SMs (24
-    tiles: no splits, no tail) and for 13 (a last wave of 11: no tail split); k = 5 also on a wider weight (N = 4352,
-    34 tiles: the token-permuting kernel, 102 SMs). Bias, bf16, output poisoned; a second call gives the same bits."""
+    tokens: launches without k splits, with an even number of weight tiles and of split tail tiles): a partial last
+    weight tile (N = 1000: 8 tiles) and a last m tile whose second 128 rows all lie past M (M = 600), planned for 24
+    SMs (24 tiles: no splits, no tail), for 13 (a last wave of 11: no tail split) and for 10 (the last 4 tiles split
+    in k halves, clusters of one half of two tiles); k = 5 also on a wider weight (N = 4352, 34 tiles: the
+    token-permuting kernel, 102 SMs). Bias, bf16, output poisoned; a second call gives the same bits."""
     run_case(600, 1000, 1312, k, torch.float16, bias=True, config=7, sm_count=24)
     out = run_case(600, 1000, 1312, k, torch.bfloat16, config=7, sm_count=13)
     assert torch.equal(out, run_case(600, 1000, 1312, k, torch.bfloat16, config=7, sm_count=13))
+    out = run_case(600, 1000, 1312, k, torch.float16, bias=True, config=7, sm_count=10)
+    assert torch.equal(out, run_case(600, 1000, 1312, k, torch.float16, bias=True, config=7, sm_count=10))
     if k == 5:
         run_case(600, 4352, 1312, k, torch.float16, bias=True, config=7, sm_count=102)
 
