@@ -34,15 +34,16 @@ static bool check_launch(const char* what) {
 #define KBIT_CONFIG_TABLE(X)                                                                                         \
     X(0, 1, 2, 2, 4) /* small weights, M <= 4: one token tile, A in the ring, 2 units per warp              */ \
     X(1, 2, 2, 2, 4) /* small weights, 4 < M <= 16: 2 token tiles share each fragment, A in registers      */
-// Shared-A configs (KbitSharedAConfig: 8 warps, WARPS_K of them along k, the A tile of a CTA step in one ring):
-//   id  MB MT CTAs/SM WARPS_K   reason
+// Shared-A configs (KbitSharedAConfig: WARPS_N x WARPS_K warps, the A tile of a CTA step in one ring):
+//   id  MB MT CTAs/SM WARPS_K WARPS_N   reason
 #define KBIT_SHARED_A_TABLE(X)                                                                                       \
-    X(2, 1, 2, 2, 1) /* M <= 8:        256 x 8 CTA tile, 112 KB                                             */      \
-    X(3, 2, 2, 2, 1) /* 8 < M <= 16:   256 x 16                                                                */      \
-    X(4, 4, 2, 2, 1) /* M > 16:        256 x 32 (and M > 32 when the wide tiles would not fill 1/8 of the SMs) */      \
-    X(5, 8, 2, 1, 1) /* M > 32 ("wide"): 256 x 64, 226 KB (sm_90)                                               */      \
-    X(8, 1, 2, 2, 2) /* config 2 as 128 x 8 CTA tiles, 2 warps along k: half the split-K splits (split-heavy)  */      \
-    X(9, 2, 2, 2, 2) /* config 3 as 128 x 16                                                                    */
+    X(2, 1, 2, 2, 1, 8) /* M <= 8:        256 x 8 CTA tile, 112 KB                                          */      \
+    X(3, 2, 2, 2, 1, 8) /* 8 < M <= 16:   256 x 16                                                             */      \
+    X(4, 4, 2, 2, 1, 8) /* M > 16:        256 x 32 (and M > 32 when the wide tiles would not fill 1/8 of the SMs) */   \
+    X(5, 8, 2, 1, 1, 8) /* M > 32 ("wide"): 256 x 64, 226 KB (sm_90)                                            */      \
+    X(8, 1, 2, 2, 2, 4) /* config 2 as 128 x 8 CTA tiles, 2 warps along k: half the split-K splits (split-heavy) */    \
+    X(9, 2, 2, 2, 2, 4) /* config 3 as 128 x 16                                                                 */      \
+    X(10, 1, 2, 2, 1, 7) /* config 2 as 224 x 8 (7 warps): a lighter busiest SM where 256-row tiles leave slots idle */
 
 // wgmma configs (KbitWgmmaConfig, sm_90a only: kbit_gemm_wgmma.cuh; 8 warps along n, one CTA per SM):
 //   id  TOK MT WARPS   reason
@@ -52,7 +53,7 @@ static bool check_launch(const char* what) {
 // tokens, producer warps (bulk copies of the weights, TMA of the tokens, the weight transpose) and 2 consumer
 // warpgroups; k = 5 reads the tokens through a permuted copy instead of transposing the weights
 constexpr int WS_CONFIG = 7;
-constexpr int NUM_CONFIGS = 10;
+constexpr int NUM_CONFIGS = 11;
 constexpr int WARPS_K_CONFIG_OFFSET = 6; // configs 8, 9 = configs 2, 3 with two warps along k
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
 constexpr int WIDE_CONFIG = 5;            // MB = 8
@@ -76,8 +77,8 @@ static ConfigInfo config_info(int id) {
     case ID: return ConfigInfo{MB, MT, WN, WK, 0};
         KBIT_CONFIG_TABLE(KBIT_INFO)
 #undef KBIT_INFO
-#define KBIT_SHARED_A_INFO(ID, MB, MT, CTAS, WK)                                                                     \
-    case ID: return ConfigInfo{MB, MT, 8 / (WK), WK, CTAS};
+#define KBIT_SHARED_A_INFO(ID, MB, MT, CTAS, WK, WN)                                                                 \
+    case ID: return ConfigInfo{MB, MT, WN, WK, CTAS};
         KBIT_SHARED_A_TABLE(KBIT_SHARED_A_INFO)
 #undef KBIT_SHARED_A_INFO
 #define KBIT_WGMMA_INFO(ID, TOK, MT, WARPS)                                                                          \
@@ -367,6 +368,24 @@ static bool staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) 
     return M > FUSED_MAX_M && !ws_config_fits(M, N, K_dim, k_bits, sm_count);
 }
 
+// Config 2 with 7 warps (config 10: 224-row tiles) where that takes work off the busiest SM. Split-K gives every
+// tile the same whole number of splits in one wave, so 14336 x 4096 runs 56 tiles x 4 = 224 CTAs on 264 slots, and
+// its busiest SMs stream 2 CTAs x 8 warps x 8 k-steps; as 64 tiles of 224 rows x 4 splits (256 CTAs) they stream
+// 2 x 7 x 8. The load of the busiest SM: CTAs per SM (breadth-first placement) x warps x k-steps. A warp of 14 per
+// SM runs slower than one of 16, so the 12% less load gives 1-5%: H100, us, config 2 -> 10 (paths interleaved,
+// dev/probe_paths.py), k = 2 / 3 / 4 / 5: 14336 x 4096 M=1 12.4 / 14.6 / 16.3 / 20.0 -> 12.1 / 14.4 / 16.0 / 19.1,
+// M=8 12.9 / 15.0 / 16.8 / 20.6 -> 12.4 / 14.6 / 16.3 / 19.6; 28672 x 8192 M=1 36.0 / 44.2 / 49.2 / 61.5 -> 34.1 /
+// 43.3 / 48.5 / 59.5. The same for config 3 (224 x 16, M=16) was 0-5% slower (14336 x 4096 k=2 16.2 -> 16.8,
+// 28672 x 8192 k=3 52.8 -> 55.3): not kept.
+constexpr int SEVEN_WARP_CONFIG = 10;
+static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
+    const ConfigInfo c = config_info(config);
+    const int splits = choose_splits(c, M, N, K_dim, sm_count);
+    const long long ctas = (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m()) * splits;
+    const long long per_sm = ceil_div(ctas, sm_count > 0 ? sm_count : 1);
+    return per_sm * c.warps_n * c.warps_k * ceil_div(ceil_div(K_dim, UNIT_K), splits);
+}
+
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1;
     if (ws_config_fits(M, N, K_dim, k_bits, sm_count)) return Dispatch{WS_CONFIG, ws_splits(M, N, K_dim, k_bits, sm_count)};
@@ -391,6 +410,9 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         const int splits = choose_splits(config_info(config), M, N, K_dim, sm_count);
         if (splits >= WARPS_K_MIN_SPLITS && ceil_div(k_steps, splits) <= WARPS_K_MAX_SPLIT_STEPS)
             config += WARPS_K_CONFIG_OFFSET; // two warps along k: half the splits
+        else if (config == FIRST_SHARED_A_CONFIG &&
+                 sm_load(SEVEN_WARP_CONFIG, M, N, K_dim, sm_count) < sm_load(config, M, N, K_dim, sm_count))
+            config = SEVEN_WARP_CONFIG; // 224-row tiles: less work on the busiest SM
     }
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }
@@ -729,8 +751,8 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     case ID: launch_gemm<KbitGemmConfig<K_BITS, MB, MT, WN, WK, ABS_U8>, T>(p, d.k_splits, stream); break;
         KBIT_CONFIG_TABLE(KBIT_LAUNCH)
 #undef KBIT_LAUNCH
-#define KBIT_LAUNCH_SHARED_A(ID, MB, MT, CTAS, WK)                                                                   \
-    case ID: launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WK>, T>(p, d.k_splits, stream); break;
+#define KBIT_LAUNCH_SHARED_A(ID, MB, MT, CTAS, WK, WN)                                                               \
+    case ID: launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WK, WN>, T>(p, d.k_splits, stream); break;
         KBIT_SHARED_A_TABLE(KBIT_LAUNCH_SHARED_A)
 #undef KBIT_LAUNCH_SHARED_A
 #define KBIT_LAUNCH_WGMMA(ID, TOK, MT, WARPS)                                                                        \

@@ -25,7 +25,8 @@
 //        MB 2 also serves M <= 128 (k = 5: 64) for small weights, which stay in L2 across token tiles;
 //        8, 9 = configs 2, 3 with WARPS_K = 2 (4 warps along n, 128-row CTAs, each k warp a contiguous half of
 //        the CTA's k-steps): twice the tiles, half the split-K splits, where many short splits make the
-//        reduction weigh (section 5)
+//        reduction weigh (section 5); 10 = config 2 with 7 warps (224-row CTAs), where 256-row tiles x whole
+//        splits leave SM slots idle (14336 x 4096: 256 CTAs of 224 rows instead of 224 of 256 on 264 slots)
 //      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
 //        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper
 //      warp-specialised wgmma (kbit_gemm_wgmma_ws_kernel, sm_90a, kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
@@ -83,7 +84,11 @@
 //    late on one step's weights catch up before the others wait. H100, us, a barrier per step -> per 2
 //    steps: 28672 x 8192 M=16 k=2 47.1 -> 44.6, k=4 57.7 -> 56.6, k=5 84.3 -> 82.5; 8192 x 28672 M=16
 //    k=4 55.2 -> 52.9; M=1 1-2%. 6 slots (2 per barrier) and 8 (4 per barrier) were 0-2% slower than 4.
-//    Without any barrier (a timing-only build, racing on A) M=1/16 k=2 was 6% faster than per step.
+//    Without any barrier (a timing-only build, racing on A) M=1/16 k=2 was 6% faster than per step. But each lane
+//    reading its A straight from global memory (L1-cached LDG.128 per block, no A ring, no barrier in the loop;
+//    configs 2 and 10) was 3-8% slower: H100, us, M=1, k = 2 / 3 / 4 / 5, 14336 x 4096 12.2 / 14.3 / 16.0 / 19.0
+//    -> 13.1 / 14.8 / 17.4 / 21.0, 8192 x 8192 13.1 / 15.5 / 17.8 / 21.8 -> 14.1 / 16.3 / 19.0 / 23.1 (28672 x
+//    8192 k=3 43.3 -> 42.7 the one gain); M=4 alike.
 //
 // 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1 but 8 and 9)
 //    k-steps of grid split s: [s*ks_per_split, ...); inside: WARPS_K contiguous chunks.
@@ -598,8 +603,8 @@ __device__ void build_lut(uint32_t* s_lut, float cb_entry, const KbitGemmParams&
     };
     constexpr int CHUNKS_PER_ENTRY = Cfg::LUT_COPIES * Cfg::LUT_ENTRY_BYTES / 16;
     constexpr int CHUNKS = Cfg::LUT_WORDS / 4;
-    static_assert(CHUNKS_PER_ENTRY >= 1 && (CHUNKS % Cfg::THREADS == 0 || CHUNKS < Cfg::THREADS),
-                  "LUT chunks are spread evenly over the threads");
+    static_assert(CHUNKS_PER_ENTRY >= 1 && CHUNKS % 32 == 0 && Cfg::THREADS % 32 == 0,
+                  "whole chunks per entry; a warp's lanes all run the loop's last round or none (pair_value shuffles)");
 #pragma unroll 4
     for (int x = threadIdx.x; x < CHUNKS; x += Cfg::THREADS) {
         const int e = x / CHUNKS_PER_ENTRY;
@@ -1159,10 +1164,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 #ifndef KBIT_A_STAGES_REG // register-weight configs: k-steps of A in the shared ring (a multiple of the above, >= 2x)
 #define KBIT_A_STAGES_REG 4
 #endif
-template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_, int WARPS_K_ = 1>
-struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8 / WARPS_K_, WARPS_K_, ABS_U8_, true> {
-    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, 8 / WARPS_K_, WARPS_K_, ABS_U8_, true>;
-    static_assert(WARPS_K_ == 1 || WARPS_K_ == 2 || WARPS_K_ == 4 || WARPS_K_ == 8, "8 warps = WARPS_N x WARPS_K");
+template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_, int WARPS_K_ = 1, int WARPS_N_ = 8 / WARPS_K_>
+struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true> {
+    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true>;
+    static_assert(WARPS_N_ * WARPS_K_ == 8 || (WARPS_K_ == 1 && WARPS_N_ == 7),
+                  "8 warps = WARPS_N x WARPS_K, or 7 along n (224-row tiles, section 5)");
     // With WARPS_K > 1 the CTA's k-steps are cut into WARPS_K contiguous chunks (one per warp along k, so each warp
     // streams its weight rows in order); a "CTA step" is step i of every chunk: an A slot holds WARPS_K k-steps
     static constexpr int A_STEP_K = UNIT_K * WARPS_K_;
@@ -1199,7 +1205,8 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, 8 / WARPS_K_, WARPS
     static_assert(Base::RED_WORDS <= SHARED_A_STAGES * A_STAGE_WORDS, "the k-reduction buffer aliases the A ring");
     static constexpr int A_CHUNKS = Base::TILE_M * (A_STEP_K / 8); // 16-byte chunks of one A stage
     static constexpr int A_CHUNKS_PER_THREAD = (A_CHUNKS + Base::THREADS - 1) / Base::THREADS;
-    static_assert(A_CHUNKS % Base::THREADS == 0 || A_CHUNKS < Base::THREADS, "A tile chunks spread evenly");
+    // the last round of a tile's chunks leaves threads idle where THREADS does not divide A_CHUNKS (7-warp CTAs)
+    static constexpr bool A_CHUNKS_RAGGED = A_CHUNKS % Base::THREADS != 0;
 };
 
 // cooperative copy of the A tile [TILE_M tokens][A_STEP_K k] of one CTA step into the shared ring: k-step
@@ -1212,7 +1219,7 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
 #pragma unroll
     for (int j = 0; j < Cfg::A_CHUNKS_PER_THREAD; j++) {
         const int c = threadIdx.x + j * Cfg::THREADS;
-        if (Cfg::A_CHUNKS < Cfg::THREADS && c >= Cfg::A_CHUNKS) break; // MB = 1: half the threads copy
+        if (Cfg::A_CHUNKS_RAGGED && c >= Cfg::A_CHUNKS) break; // MB = 1: half the threads copy
         const int row = c / (Cfg::A_STEP_K / 8), piece = c % (Cfg::A_STEP_K / 8);
         const int seg = Cfg::WARPS_K == 1 ? 0 : piece / (UNIT_K / 8); // the warp along k that reads it
         const int m = m_base + row, k = (kstep + seg * chunk_steps) * UNIT_K + (piece % (UNIT_K / 8)) * 8;
