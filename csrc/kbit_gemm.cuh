@@ -362,6 +362,10 @@ __device__ __forceinline__ void cp_async_16(uint32_t s_addr, const void* g_ptr) 
 __device__ __forceinline__ void cp_async_16_zfill(uint32_t s_addr, const void* g_ptr, uint32_t src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s_addr), "l"(g_ptr), "r"(src_bytes));
 }
+// cp.async 4 bytes, reading src_bytes (0: zero fill); PTX ISA 9.7.9.25
+__device__ __forceinline__ void cp_async_4_zfill(uint32_t s_addr, const void* g_ptr, uint32_t src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_addr), "l"(g_ptr), "r"(src_bytes));
+}
 // cp.async 8 bytes (.ca: .cg only takes 16); PTX ISA 9.7.9.25
 __device__ __forceinline__ void cp_async_8(uint32_t s_addr, const void* g_ptr) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s_addr), "l"(g_ptr));
@@ -1207,7 +1211,27 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
     static constexpr int A_CHUNKS_PER_THREAD = (A_CHUNKS + Base::THREADS - 1) / Base::THREADS;
     // the last round of a tile's chunks leaves threads idle where THREADS does not divide A_CHUNKS (7-warp CTAs)
     static constexpr bool A_CHUNKS_RAGGED = A_CHUNKS % Base::THREADS != 0;
+    // Two token tiles (configs 3, 9): each lane's codebook entry is the kernel's first copy (cp.async, 4 bytes,
+    // into its warp's 128 bytes of the last A slot, which the prefill leaves free until the loop's first refill),
+    // and A's prefill goes out before the weights. Loaded into a register after the weight loads, as before, the
+    // codebook waited behind them: per-CTA %globaltimer marks (dev/probe_timeline.py, H100) had 2.3-3.3 us from
+    // entry to the built LUT at M = 16 against 1.1 at M = 1, where one tile's kernels load it first into a register
+    // (in config 3 that register made ptxas rematerialize a thread index in the loop: 9-14% slower). H100, us, M = 16,
+    // k = 2 / 3 / 4 / 5, paths interleaved, two rounds: 14336 x 4096 16.3 / 17.8 / 19.0 / 23.0 -> 15.5 / 17.4 / 18.3
+    // / 22.4; 4096 x 14336 16.8 / 18.8 / 20.1 / 24.1 -> 15.7 / 17.9 / 19.1 / 24.1; 8192 x 8192 17.2 / 19.6 / 20.9 /
+    // 24.9 -> 16.5 / 18.4 / 20.0 / 23.6; 28672 x 8192 44.7 / 55.3 / 58.1 / 71.0 -> 44.4 / 54.3 / 57.9 / 69.6. The
+    // codebook alone by cp.async, A still after the weights, had A's first wait grow by as much (k = 3 slower). For
+    // one token tile the cp.async codebook was -3..+5% (4096 x 14336 k = 3 14.9 -> 15.6): kept in a register.
+    static constexpr bool CODEBOOK_BY_CP_ASYNC = MB_ == 2 && W_REG_STAGES > 0;
+    static_assert(!CODEBOOK_BY_CP_ASYNC || Base::WARPS * 128 <= 4 * A_STAGE_WORDS,
+                  "the codebook copies fit the last A slot, which the prefill (S - P slots) leaves free");
 };
+
+// this lane's word of the codebook copies in the last A slot (CODEBOOK_BY_CP_ASYNC)
+template <class Cfg> __device__ __forceinline__ uint32_t codebook_slot(uint32_t s_a_ring) {
+    return s_a_ring + 4 * (Cfg::SHARED_A_STAGES - 1) * Cfg::A_STAGE_WORDS + (threadIdx.x / 32) * 128 +
+           (threadIdx.x % 32) * 4;
+}
 
 // cooperative copy of the A tile [TILE_M tokens][A_STEP_K k] of one CTA step into the shared ring: k-step
 // kstep + wk * chunk_steps for each warp wk along k, zero past k_end (the split's end: the last chunk may be
@@ -1336,6 +1360,25 @@ __device__ __forceinline__ void shared_a_loop_smem_ring(float (&acc)[Cfg::MT][Cf
     }
 }
 
+#ifdef KBIT_PROBE_TIMELINE // timing probe only (dev/probe_timeline.py): %globaltimer at points of each CTA
+__device__ unsigned long long g_kbit_timeline[8 * 65536];
+__device__ __forceinline__ void timeline_mark(int j) {
+    if (threadIdx.x != 0) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (cta < 65536) g_kbit_timeline[8 * cta + j] = t;
+    if (j == 0) {
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        if (cta < 65536) g_kbit_timeline[8 * cta + 7] = smid;
+    }
+}
+#define KBIT_TIMELINE(j) timeline_mark(j)
+#else
+#define KBIT_TIMELINE(j)
+#endif
+
 // the k-loop with the weights in registers (W_REG_STAGES = D): the loads of step i+D are issued right
 // after step i's compute, into the registers it just used, so D k-steps of weights are in flight per
 // lane; A still travels through the smem ring (S-1 steps ahead, one barrier per P steps). The loop is
@@ -1360,10 +1403,10 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             if (st % P == P - 1) cp_async_commit();
         }
     };
-    // One token tile: A's few hundred bytes go out before the weights, so their first wait is not queued
-    // behind the weight loads (H100, M = 1, us: 14336 x 4096 k = 4 16.8 -> 16.2, k = 5 24.4 -> 23.3; 28672 x
-    // 8192 k = 5 76.0 -> 74.0). With two token tiles (config 3) it was 1-2% slower: there the weights go first.
-    if constexpr (Cfg::MB == 1) prefill_a();
+    // A's few hundred bytes go out before the weights, so their first wait is not queued behind the weight
+    // loads (H100, M = 1, us: 14336 x 4096 k = 4 16.8 -> 16.2, k = 5 24.4 -> 23.3; 28672 x 8192 k = 5 76.0 ->
+    // 74.0). With two token tiles this pays only with the codebook copied first (CODEBOOK_BY_CP_ASYNC).
+    prefill_a();
     StepWeightRegs<Cfg> ring[D] = {}; // zeroed: slots of absent units (rows >= N) are never loaded
 #pragma unroll
     for (int d = 0; d < D; d++)
@@ -1371,8 +1414,13 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             load_units_to_regs<Cfg>(ring[d], cur, lane);
             cur.advance();
         }
-    if constexpr (Cfg::MB != 1) prefill_a();
-    build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p);
+    if constexpr (Cfg::CODEBOOK_BY_CP_ASYNC) { // the kernel's first copy group: all but the A prefill's
+        cp_async_wait<(S - P) / P>();
+        build_lut<Cfg, T, true>(s_lut_ptr, __uint_as_float(lds32(codebook_slot<Cfg>(s_a_ring))), p);
+    } else {
+        build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p);
+    }
+    KBIT_TIMELINE(1);
 
     for (int i0 = 0; i0 < n_steps; i0 += D) {
 #pragma unroll
@@ -1382,6 +1430,7 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             if (i % P == 0) {
                 cp_async_wait<S / P - 2>(); // A of steps i .. i+P-1 landed (this thread's copies) ...
                 __syncthreads(); // ... everyone's, and everyone is done with steps i-P .. i-1 (and the LUT)
+                if (i == 0) KBIT_TIMELINE(2);
 #pragma unroll
                 for (int q = 0; q < P; q++) { // steps i+S-P .. i+S-1 into the slots of i-P .. i-1
                     const int st = i + S - P + q;
@@ -1395,6 +1444,7 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             compute_units_shared_a<Cfg, T>(acc, ring[d].w, ring[d].abs, s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS,
                                            a_off, s_lut, lane_off);
 #endif
+            if (i == 0) KBIT_TIMELINE(6);
 #ifndef KBIT_PROBE_NO_LOADS
             if (i + D < my_steps) {
                 load_units_to_regs<Cfg>(ring[d], cur, lane);
@@ -1408,8 +1458,16 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_gemm_shared_a_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
-    const float cb_entry = Cfg::MB == 1 ? load_codebook_entry(p) : 0.0f; // first: overlaps the prologue
+    KBIT_TIMELINE(0);
     constexpr int S = Cfg::SHARED_A_STAGES;
+    const float cb_entry = Cfg::MB == 1 ? load_codebook_entry(p) : 0.0f; // first: overlaps the prologue
+    if constexpr (Cfg::CODEBOOK_BY_CP_ASYNC) {
+        const uint32_t s_a_ring = (uint32_t)__cvta_generic_to_shared(s_mem) + 4 * Cfg::LUT_WORDS;
+        const int l = threadIdx.x % 32;
+        cp_async_4_zfill(codebook_slot<Cfg>(s_a_ring), p.codebook + (l < p.codebook_len ? l : 0),
+                         l < p.codebook_len ? 4u : 0u);
+        cp_async_commit();
+    }
     uint32_t* s_lut_ptr = s_mem;                                                 // [LUT_ENTRIES][LUT_COPIES]
     const uint32_t s_a_ring = (uint32_t)__cvta_generic_to_shared(s_mem) + 4 * Cfg::LUT_WORDS; // [S][TILE_M][A_ROW_BYTES]
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -1445,6 +1503,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
         shared_a_loop_smem_ring<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, s_w_ring, a_off, s_lut_ptr,
                                         cb_entry, lane_off, lane);
     cp_async_wait<0>();
+    KBIT_TIMELINE(3);
     if constexpr (WK > 1) { // the A ring is free once every warp is past its last step: sum the k warps there
         __syncthreads();
         reduce_warps_k<Cfg>(acc, reinterpret_cast<float*>(s_mem + Cfg::LUT_WORDS), wn, wk, lane);
@@ -1456,9 +1515,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
 #endif
         __syncthreads();
         const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
-        if (!reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag)) return;
+        const bool last = reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag);
+        KBIT_TIMELINE(4);
+        if (!last) return;
     }
     if (wk == 0) store_output<Cfg, T>(acc, p, n16_base * UNIT_ROWS, m_base, lane);
+    KBIT_TIMELINE(5);
 }
 
 } // namespace kbit

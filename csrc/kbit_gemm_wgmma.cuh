@@ -254,10 +254,6 @@ KBIT_WGMMA_RS_SPEC(__nv_bfloat16, "bf16", 128)
 // rows x / 64 + j * TOK_ROW_STEP: consecutive threads read consecutive words of a row, and the 32 words a
 // warp writes land in 32 different banks (8 swizzled chunks x 4 words of one 128-byte row).
 // ---------------------------------------------------------------------------------------------
-// cp.async 4 bytes, reading src_bytes (0: zero fill); PTX ISA 9.7.9.25
-__device__ __forceinline__ void cp_async_4_zfill(uint32_t s_addr, const void* g_ptr, uint32_t src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_addr), "l"(g_ptr), "r"(src_bytes));
-}
 __device__ __forceinline__ void sts32(uint32_t s_addr, uint32_t v) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(s_addr), "r"(v));
 }
