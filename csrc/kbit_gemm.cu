@@ -5,6 +5,7 @@
 #include "kbit_gemm_wgmma_ws.cuh"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace kbit {
@@ -105,8 +106,7 @@ static int device_smem_optin() {
 
 // the wgmma configs run when the library holds sm_90a code (CMake defines KBIT_WGMMA_BUILT when the
 // architecture list has 90a) and the current device is compute capability 9.0
-static bool wgmma_available() {
-#ifdef KBIT_WGMMA_BUILT
+static int device_cc() { // 10 * major + minor
     static int s_cc[64] = {};
     int dev = 0;
     cudaGetDevice(&dev);
@@ -117,7 +117,12 @@ static bool wgmma_available() {
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
         s_cc[dev] = 10 * major + minor;
     }
-    return s_cc[dev] == 90;
+    return s_cc[dev];
+}
+
+static bool wgmma_available() {
+#ifdef KBIT_WGMMA_BUILT
+    return device_cc() == 90;
 #else
     return false;
 #endif
@@ -476,13 +481,52 @@ static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], 
     return true;
 }
 
+// Programmatic dependent launch (PDL, sm_90): the per-warp and shared-A kernels (configs 0-5, 8-10) are launched
+// with programmatic stream serialization. A kernel allows its dependents once its own loads are done (after its
+// k-loop), so the next call's CTAs take the SM slots this call's CTAs leave during its split-K arrivals, last
+// reductions and grid completion, and start their prologue there; grid_dependency_wait, before a kernel's first
+// read or write of global memory, holds them until this call is complete and its memory visible. H100, us, plain
+// -> PDL, calls back to back (dev/probe_paths.py): M = 1 k = 2 / 3 14336 x 4096 12.5 / 14.9 -> 11.8 / 14.2,
+// 8192 x 8192 13.5 / 16.0 -> 12.7 / 15.3, 4096 x 4096 6.8 / 7.7 -> 6.2 / 7.7; M = 16 15.2 / 17.4 -> 14.9 / 17.2,
+// 16.5 / 18.8 -> 15.7 / 17.9, 8.3 / 9.1 -> 7.6 / 8.5. With an elementwise kernel between the calls (a norm
+// writing A: --produce-a) all within 0.1 us of plain. Allowing dependents at the kernel's start instead: 4096 x
+// 4096 6.8 -> 7.5 (M = 1), 8.3 -> 9.4 (M = 16). Also measured, not kept: the next call's CTAs prefetching their
+// first 2 k-steps into L2 before the wait (a hint, safe before it) made back-to-back M = 1 a further 3-7% faster
+// (14336 x 4096 k = 3 14.2 -> 13.3) but M = 16 and calls after an elementwise kernel 0-20% slower (4096 x 4096
+// M = 16 7.6 -> 9.2). BNB_KBIT_PDL=0 in the environment launches plainly.
+static bool pdl_enabled() {
+    static int s_on = -1;
+    if (s_on < 0) {
+        const char* v = getenv("BNB_KBIT_PDL");
+        s_on = v != nullptr && strcmp(v, "0") == 0 ? 0 : 1;
+    }
+    return s_on == 1 && device_cc() >= 90;
+}
+
+// launch, with programmatic stream serialization where pdl_enabled()
+template <typename... Args>
+static void launch_dependent(void (*kernel)(Args...), dim3 grid, int threads, int smem, cudaStream_t stream,
+                             Args... args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 template <class Cfg, typename T>
 static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     static bool s_attr_set[64] = {};
     if (!prepare_launch(kbit_gemm_kernel<Cfg, T>, Cfg::SMEM_BYTES_MAX, s_attr_set, p, k_splits, "per-warp")) return;
     p.a_rows = p.M < Cfg::TILE_M ? p.M : Cfg::TILE_M;
     const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N), k_splits, ceil_div(p.M, Cfg::TILE_M));
-    kbit_gemm_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::smem_bytes(p.a_rows), stream>>>(p);
+    launch_dependent(kbit_gemm_kernel<Cfg, T>, grid, Cfg::THREADS, Cfg::smem_bytes(p.a_rows), stream, p);
     check_launch("ckbit_gemm");
 }
 
@@ -492,7 +536,7 @@ template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, 
         return;
     p.a_rows = Cfg::TILE_M;
     const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N), k_splits, ceil_div(p.M, Cfg::TILE_M));
-    kbit_gemm_shared_a_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SHARED_A_SMEM_BYTES, stream>>>(p);
+    launch_dependent(kbit_gemm_shared_a_kernel<Cfg, T>, grid, Cfg::THREADS, Cfg::SHARED_A_SMEM_BYTES, stream, p);
     check_launch("ckbit_gemm shared-A");
 }
 
