@@ -490,10 +490,9 @@ static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], 
 // 8192 x 8192 13.5 / 16.0 -> 12.7 / 15.3, 4096 x 4096 6.8 / 7.7 -> 6.2 / 7.7; M = 16 15.2 / 17.4 -> 14.9 / 17.2,
 // 16.5 / 18.8 -> 15.7 / 17.9, 8.3 / 9.1 -> 7.6 / 8.5. With an elementwise kernel between the calls (a norm
 // writing A: --produce-a) all within 0.1 us of plain. Allowing dependents at the kernel's start instead: 4096 x
-// 4096 6.8 -> 7.5 (M = 1), 8.3 -> 9.4 (M = 16). Also measured, not kept: the next call's CTAs prefetching their
-// first 2 k-steps into L2 before the wait (a hint, safe before it) made back-to-back M = 1 a further 3-7% faster
-// (14336 x 4096 k = 3 14.2 -> 13.3) but M = 16 and calls after an elementwise kernel 0-20% slower (4096 x 4096
-// M = 16 7.6 -> 9.2). BNB_KBIT_PDL=0 in the environment launches plainly.
+// 4096 6.8 -> 7.5 (M = 1), 8.3 -> 9.4 (M = 16). Before the wait, one-token-tile CTAs with long splits prefetch their
+// first weights into L2 (l2_prefetch_steps). BNB_KBIT_PDL=0 in the environment launches plainly (and prefetches
+// nothing).
 static bool pdl_enabled() {
     static int s_on = -1;
     if (s_on < 0) {
@@ -501,6 +500,21 @@ static bool pdl_enabled() {
         s_on = v != nullptr && strcmp(v, "0") == 0 ? 0 : 1;
     }
     return s_on == 1 && device_cc() >= 90;
+}
+
+// k-steps of each warp's split that a shared-A kernel prefetches into L2 before its dependency wait (a hint: no
+// value reaches an SM before the wait, so even weights the previous kernel wrote stay correct): the first 2, with
+// one token tile and at least 8 k-steps per warp. Launched early, the CTAs fill the previous call's idle tail with
+// their first loads; launched after a plain kernel (no idle tail), the 2 steps are a quarter of the warp's weights
+// at most, fetched at once. H100, us, M = 1, k = 2 / 3 / 4, without -> with, back to back: 14336 x 4096 11.8 /
+// 14.0 / 15.7 -> 11.3 / 13.2 / 14.7, 8192 x 8192 12.7 / 15.4 / 17.4 -> 12.0 / 14.4 / 15.9, 28672 x 8192 33.8 / 42.6
+// / 48.5 -> 33.3 / 41.9 / 47.0, 8192 x 28672 32.7 / 40.9 / 48.3 -> 32.1 / 40.1 / 46.6; after an elementwise kernel
+// (--produce-a) 0.7% slower to 3% faster (k = 4 8192 x 28672 50.3 -> 49.4). Without the rule (2 steps of every
+// split, two token tiles too) M = 16 and small splits were 3-20% slower (4096 x 4096 M = 16 7.6 -> 9.2; 2 of 2
+// k-steps at M = 1 after an elementwise kernel 8.0 -> 8.4); 1 or 4 steps, or all of a split, were slower than 2.
+constexpr int L2_PREFETCH_STEPS = 2;
+static int l2_prefetch_steps(int token_tiles, int steps_per_warp) {
+    return pdl_enabled() && token_tiles == 1 && steps_per_warp >= 4 * L2_PREFETCH_STEPS ? L2_PREFETCH_STEPS : 0;
 }
 
 // launch, with programmatic stream serialization where pdl_enabled()
@@ -535,6 +549,7 @@ template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, 
     if (!prepare_launch(kbit_gemm_shared_a_kernel<Cfg, T>, Cfg::SHARED_A_SMEM_BYTES, s_attr_set, p, k_splits, "shared-A"))
         return;
     p.a_rows = Cfg::TILE_M;
+    p.l2_prefetch_steps = l2_prefetch_steps(Cfg::MB, ceil_div(p.ks_per_split, Cfg::WARPS_K));
     const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N), k_splits, ceil_div(p.M, Cfg::TILE_M));
     launch_dependent(kbit_gemm_shared_a_kernel<Cfg, T>, grid, Cfg::THREADS, Cfg::SHARED_A_SMEM_BYTES, stream, p);
     check_launch("ckbit_gemm shared-A");
@@ -764,6 +779,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     p.cluster_reduce = 0;
     p.ws_tail_from = 0x7fffffff;
     p.ws_multicast = 0;
+    p.l2_prefetch_steps = 0;
     p.A = A;
     p.bias = bias;
     p.C = C;

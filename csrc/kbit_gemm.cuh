@@ -111,6 +111,8 @@
 //    previous one (griddepcontrol.wait) before its first global access and lets the next one launch after its
 //    k-loop, so the next call's CTAs fill the slots of this call's split-K tail: H100 back to back, M = 1 0-9%
 //    faster (14336 x 4096 k = 2 12.5 -> 11.8 us), no change after a plain kernel (kbit_gemm.cu, pdl_enabled).
+//    Before the wait, one-token-tile CTAs with >= 8 k-steps per warp prefetch their first 2 into L2 (a hint, safe
+//    there): back to back another 2-9% (14336 x 4096 k = 3 14.0 -> 13.2 us) (kbit_gemm.cu, l2_prefetch_steps).
 //
 // 6. Invariants: K_dim % 32 == 0, M, N >= 1, lda >= K_dim (launcher); tiled N padded to 16 and K to
 //    128 with zero absmax (repack); A beyond K_dim is zero-filled, A rows >= M and weight rows >= N
@@ -404,6 +406,13 @@ __device__ __forceinline__ void allow_dependent_launch() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::);
 #endif
 }
+// a hint: fetch `bytes` (a multiple of 16, 16-byte aligned) into L2. No value reaches the SM, so it may run
+// before grid_dependency_wait even on memory the previous grid writes; PTX ISA cp.async.bulk.prefetch
+__device__ __forceinline__ void prefetch_l2_bulk(const void* g_ptr, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(g_ptr), "r"(bytes) : "memory");
+#endif
+}
 // D = A(16x16, row) * B(16x8, col) + D, fp32 accumulate, A and B of type T (the tag argument picks the
 // overload; the two differ only in the PTX type); PTX ISA 9.7.14.5.8
 #define KBIT_DEFINE_MMA_M16N8K16(T, PTX_TYPE)                                                                    \
@@ -597,6 +606,7 @@ struct KbitGemmParams {
     int cluster_reduce;     // config 6: the k_splits CTAs of a tile are one cluster and reduce through DSMEM
     int ws_tail_from;       // config 7 without k_splits: tiles from here on run as two CTAs of half the k-steps
     int ws_multicast;       // config 7: clusters of 2 CTAs share the token tile (TMA multicast)
+    int l2_prefetch_steps;  // shared-A configs: k-steps of each warp's split prefetched into L2 before the PDL wait
 };
 
 // build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES.
@@ -1472,9 +1482,37 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
     }
 }
 
+// The first `steps` of this warp's k-steps from `kstep` on (weights and scales of its MT rows: one contiguous span
+// each) into L2, one bulk prefetch per span (lanes 0..MT-1 the weights, MT..2MT-1 the scales).
+template <class Cfg>
+__device__ __forceinline__ void prefetch_warp_split_l2(const KbitGemmParams& p, int n16_base, int kstep, int steps,
+                                                       int lane) {
+    using F = typename Cfg::Fmt;
+    constexpr int ABS_ELEM_BYTES = Cfg::ABS_U8 ? 1 : 2;
+    const int mt = lane % Cfg::MT, n16 = n16_base + mt;
+    if (steps <= 0 || lane >= 2 * Cfg::MT || n16 >= p.n16_tiles) return;
+    const long long unit = (long long)n16 * p.k_steps + kstep;
+    const char* g = lane < Cfg::MT ? reinterpret_cast<const char*>(p.B + unit * F::UNIT_WORDS)
+                                   : reinterpret_cast<const char*>(p.B_absmax) + unit * UNIT_ABSMAX * ABS_ELEM_BYTES;
+    const uint32_t bytes = (uint32_t)steps * (lane < Cfg::MT ? F::UNIT_WORDS * 4 : UNIT_ABSMAX * ABS_ELEM_BYTES);
+    if ((reinterpret_cast<uintptr_t>(g) & 15) == 0) prefetch_l2_bulk(g, bytes);
+}
+
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_gemm_shared_a_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wn = Cfg::WARPS_K == 1 ? warp : warp % Cfg::WARPS_N, wk = Cfg::WARPS_K == 1 ? 0 : warp / Cfg::WARPS_N;
+    const int n16_base = (blockIdx.x * Cfg::WARPS_N + wn) * Cfg::MT;
+    // k-steps of this split (blockIdx.y), cut into WARPS_K chunks of n_steps (warp wk: chunk wk, my_steps of
+    // them); the whole CTA walks the same n_steps CTA steps
+    constexpr int WK = Cfg::WARPS_K;
+    const int k_begin = blockIdx.y * p.ks_per_split;
+    const int split_len = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
+    const int n_steps = WK == 1 ? split_len : (split_len + WK - 1) / WK;
+    const int my_steps = WK == 1 ? n_steps : min(max(split_len - wk * n_steps, 0), n_steps);
+    if (p.l2_prefetch_steps > 0 && blockIdx.z == 0) // before the PDL wait: a hint, no value comes back
+        prefetch_warp_split_l2<Cfg>(p, n16_base, k_begin + wk * n_steps, min(my_steps, p.l2_prefetch_steps), lane);
     grid_dependency_wait(); // PDL (kbit_gemm.cu): every read and write of this grid comes after the previous kernel
     KBIT_TIMELINE(0);
     constexpr int S = Cfg::SHARED_A_STAGES;
@@ -1488,20 +1526,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     }
     uint32_t* s_lut_ptr = s_mem;                                                 // [LUT_ENTRIES][LUT_COPIES]
     const uint32_t s_a_ring = (uint32_t)__cvta_generic_to_shared(s_mem) + 4 * Cfg::LUT_WORDS; // [S][TILE_M][A_ROW_BYTES]
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // this warp's weight ring [S][W_STAGE_WORDS] (none when the weights travel in registers)
     const uint32_t s_w_ring = s_a_ring + 4 * S * Cfg::A_STAGE_WORDS + 4 * warp * S * Cfg::W_SMEM_STAGE_WORDS;
-    const int wn = Cfg::WARPS_K == 1 ? warp : warp % Cfg::WARPS_N, wk = Cfg::WARPS_K == 1 ? 0 : warp / Cfg::WARPS_N;
-    const int n16_base = (blockIdx.x * Cfg::WARPS_N + wn) * Cfg::MT;
     const int m_base = blockIdx.z * Cfg::TILE_M;
     __shared__ int s_flag;
-    // k-steps of this split (blockIdx.y), cut into WARPS_K chunks of n_steps (warp wk: chunk wk, my_steps of
-    // them); the whole CTA walks the same n_steps CTA steps
-    constexpr int WK = Cfg::WARPS_K;
-    const int k_begin = blockIdx.y * p.ks_per_split;
-    const int split_len = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
-    const int n_steps = WK == 1 ? split_len : (split_len + WK - 1) / WK;
-    const int my_steps = WK == 1 ? n_steps : min(max(split_len - wk * n_steps, 0), n_steps);
     const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
     uint32_t a_off[Cfg::MB];
     const int a_last_row = min(p.M - m_base, Cfg::TILE_M) - 1;
