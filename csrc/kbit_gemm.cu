@@ -503,18 +503,24 @@ static bool pdl_enabled() {
 }
 
 // k-steps of each warp's split that a shared-A kernel prefetches into L2 before its dependency wait (a hint: no
-// value reaches an SM before the wait, so even weights the previous kernel wrote stay correct): the first 2, with
-// one token tile and at least 8 k-steps per warp. Launched early, the CTAs fill the previous call's idle tail with
-// their first loads; launched after a plain kernel (no idle tail), the 2 steps are a quarter of the warp's weights
-// at most, fetched at once. H100, us, M = 1, k = 2 / 3 / 4, without -> with, back to back: 14336 x 4096 11.8 /
-// 14.0 / 15.7 -> 11.3 / 13.2 / 14.7, 8192 x 8192 12.7 / 15.4 / 17.4 -> 12.0 / 14.4 / 15.9, 28672 x 8192 33.8 / 42.6
-// / 48.5 -> 33.3 / 41.9 / 47.0, 8192 x 28672 32.7 / 40.9 / 48.3 -> 32.1 / 40.1 / 46.6; after an elementwise kernel
-// (--produce-a) 0.7% slower to 3% faster (k = 4 8192 x 28672 50.3 -> 49.4). Without the rule (2 steps of every
-// split, two token tiles too) M = 16 and small splits were 3-20% slower (4096 x 4096 M = 16 7.6 -> 9.2; 2 of 2
-// k-steps at M = 1 after an elementwise kernel 8.0 -> 8.4); 1 or 4 steps, or all of a split, were slower than 2.
-constexpr int L2_PREFETCH_STEPS = 2;
+// value reaches an SM before the wait, so even weights the previous kernel wrote stay correct), with one token tile:
+// the first 2 where a warp has at least 8 k-steps, the first 1 where it has 4 to 7. Launched early, the CTAs fill
+// the previous call's idle tail with their first loads; launched after a plain kernel (no idle tail), the prefetch
+// is a quarter of the warp's weights at most, fetched at once. H100, us, M = 1, k = 2 / 3 / 4, without -> with, back
+// to back: 14336 x 4096 11.8 / 14.0 / 15.7 -> 11.3 / 13.2 / 14.7, 8192 x 8192 12.7 / 15.4 / 17.4 -> 12.0 / 14.4 /
+// 15.9, 28672 x 8192 33.8 / 42.6 / 48.5 -> 33.3 / 41.9 / 47.0, 8192 x 28672 32.7 / 40.9 / 48.3 -> 32.1 / 40.1 /
+// 46.6; after an elementwise kernel (--produce-a) 0.7% slower to 3% faster (k = 4 8192 x 28672 50.3 -> 49.4). The
+// 1-step prefetch of 4-7 k-steps (config 8 on 4096 x 14336: 7; 4096 x 4096), back to back / after an elementwise
+// kernel: 4096 x 14336 12.0 / 14.2 / 16.2 -> 11.3 / 13.3 / 15.0 and 14.0 / 16.3 / 18.2 -> 13.7 / 15.7 / 17.6;
+// 4096 x 4096 6.2 / 7.2 / 8.5 -> 5.8 / 7.1 / 7.9 and 8.0 / 8.8 / 9.4 -> 7.9 / 8.8 / 9.2; 2 steps there: as fast
+// back to back, 1% slower after an elementwise kernel. Two token tiles (M = 16, >= 8 k-steps per warp), after an
+// elementwise kernel: 14336 x 4096 k = 2 / 3 16.4 / 18.7 -> 17.1 / 19.5, so none. Without the rule (2 steps of
+// every split, two token tiles too) M = 16 and small splits were 3-20% slower (4096 x 4096 M = 16 7.6 -> 9.2; 2 of 2
+// k-steps at M = 1 after an elementwise kernel 8.0 -> 8.4); 1 or 4 steps of long splits, or all of a split, were
+// slower than 2.
 static int l2_prefetch_steps(int token_tiles, int steps_per_warp) {
-    return pdl_enabled() && token_tiles == 1 && steps_per_warp >= 4 * L2_PREFETCH_STEPS ? L2_PREFETCH_STEPS : 0;
+    if (!pdl_enabled() || token_tiles > 1) return 0;
+    return steps_per_warp >= 8 ? 2 : steps_per_warp >= 4 ? 1 : 0;
 }
 
 // launch, with programmatic stream serialization where pdl_enabled()

@@ -111,8 +111,9 @@
 //    previous one (griddepcontrol.wait) before its first global access and lets the next one launch after its
 //    k-loop, so the next call's CTAs fill the slots of this call's split-K tail: H100 back to back, M = 1 0-9%
 //    faster (14336 x 4096 k = 2 12.5 -> 11.8 us), no change after a plain kernel (kbit_gemm.cu, pdl_enabled).
-//    Before the wait, one-token-tile CTAs with >= 8 k-steps per warp prefetch their first 2 into L2 (a hint, safe
-//    there): back to back another 2-9% (14336 x 4096 k = 3 14.0 -> 13.2 us) (kbit_gemm.cu, l2_prefetch_steps).
+//    Before the wait, one-token-tile CTAs prefetch their first k-steps into L2 (a hint, safe there; 2 with >= 8
+//    k-steps per warp, 1 with 4-7): back to back another 2-9% (14336 x 4096 k = 3 14.0 -> 13.2 us, 4096 x 14336
+//    14.2 -> 13.3) (kbit_gemm.cu, l2_prefetch_steps).
 //
 // 6. Invariants: K_dim % 32 == 0, M, N >= 1, lda >= K_dim (launcher); tiled N padded to 16 and K to
 //    128 with zero absmax (repack); A beyond K_dim is zero-filled, A rows >= M and weight rows >= N
