@@ -1468,6 +1468,11 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
                 }
                 cp_async_commit();
             }
+            // every load of this CTA is issued: the next GEMM may launch (PDL) while the last step computes. H100,
+            // M = 1, us, after the k-loop -> here, back to back: 4096 x 4096 k = 3 7.3 -> 6.6, 4096 x 14336 13.4 /
+            // 13.7 -> 13.3 / 13.3; the rest within 0.2 (k = 2, 3 of 14336 x 4096, M = 16, after an elementwise
+            // kernel). 3 steps before the end: as fast at M = 1, 4096 x 14336 M = 16 17.3 -> 17.6.
+            if (i == n_steps - 1) allow_dependent_launch();
 #ifndef KBIT_PROBE_NO_COMPUTE
             compute_units_shared_a<Cfg, T>(acc, ring[d].w, ring[d].abs, s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS,
                                            a_off, s_lut, lane_off);
@@ -1550,7 +1555,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
         shared_a_loop_smem_ring<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, s_w_ring, a_off, s_lut_ptr,
                                         cb_entry, lane_off, lane);
     cp_async_wait<0>();
-    allow_dependent_launch(); // past its loads: the next GEMM may take the SM slots this grid's CTAs leave
+    allow_dependent_launch(); // past its loads (the register loop allowed it at its last step already): the next GEMM
+                              // may take the SM slots this grid's CTAs leave
     KBIT_TIMELINE(3);
     if constexpr (WK > 1) { // the A ring is free once every warp is past its last step: sum the k warps there
         __syncthreads();
