@@ -482,10 +482,11 @@ static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], 
 }
 
 // Programmatic dependent launch (PDL, sm_90): the per-warp and shared-A kernels (configs 0-5, 8-10) are launched
-// with programmatic stream serialization. A kernel allows its dependents once its own loads are done (after its
-// k-loop), so the next call's CTAs take the SM slots this call's CTAs leave during its split-K arrivals, last
-// reductions and grid completion, and start their prologue there; grid_dependency_wait, before a kernel's first
-// read or write of global memory, holds them until this call is complete and its memory visible. H100, us, plain
+// with programmatic stream serialization. A kernel allows its dependents once its own loads are issued (after its
+// k-loop; the register-weight loop at its last k-step), so the next call's CTAs take the SM slots this call's CTAs
+// leave during its split-K arrivals, last reductions and grid completion, and start their prologue there;
+// grid_dependency_wait, before a kernel's first read or write of global memory, holds them until this call is
+// complete and its memory visible. H100, us, plain
 // -> PDL, calls back to back (dev/probe_paths.py): M = 1 k = 2 / 3 14336 x 4096 12.5 / 14.9 -> 11.8 / 14.2,
 // 8192 x 8192 13.5 / 16.0 -> 12.7 / 15.3, 4096 x 4096 6.8 / 7.7 -> 6.2 / 7.7; M = 16 15.2 / 17.4 -> 14.9 / 17.2,
 // 16.5 / 18.8 -> 15.7 / 17.9, 8.3 / 9.1 -> 7.6 / 8.5. With an elementwise kernel between the calls (a norm

@@ -108,9 +108,11 @@
 //    multiplies its stale weight registers by zero-filled A for that step (a branch around the compute instead
 //    cost 5-30%: ptxas then no longer overlapped consecutive steps).
 //    Consecutive calls overlap (configs 0-5, 8-10; programmatic dependent launch, sm_90): a kernel waits for the
-//    previous one (griddepcontrol.wait) before its first global access and lets the next one launch after its
-//    k-loop, so the next call's CTAs fill the slots of this call's split-K tail: H100 back to back, M = 1 0-9%
-//    faster (14336 x 4096 k = 2 12.5 -> 11.8 us), no change after a plain kernel (kbit_gemm.cu, pdl_enabled).
+//    previous one (griddepcontrol.wait) before its first global access and lets the next one launch once its
+//    loads are issued (after the k-loop; the register-weight loop at its last k-step), so the next call's CTAs
+//    fill the slots of this call's split-K tail: H100 back to back, M = 1 0-9% faster (14336 x 4096 k = 2 12.5
+//    -> 11.8 us; 4096 x 4096 k = 3 7.3 -> 6.6 for the last-step trigger), no change after a plain kernel
+//    (kbit_gemm.cu, pdl_enabled).
 //    Before the wait, one-token-tile CTAs prefetch their first k-steps into L2 (a hint, safe there; 2 with >= 8
 //    k-steps per warp, 1 with 4-7): back to back another 2-9% (14336 x 4096 k = 3 14.0 -> 13.2 us, 4096 x 14336
 //    14.2 -> 13.3) (kbit_gemm.cu, l2_prefetch_steps).
