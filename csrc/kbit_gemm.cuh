@@ -620,6 +620,10 @@ struct KbitGemmParams {
 // (ncu, H100, 14336 x 4096 M = 1 k = 4: 21% of the warp-stall samples sat on its first use; H100, us, M = 1
 // 14336 x 4096 k = 2 14.3 -> 13.5, 8192 x 8192 14.7 -> 14.0). Config 3 (M <= 16) keeps the late load:
 // early, ptxas rematerialized a thread index in its loop and 28672 x 8192 M = 16 ran 9-14% slower.
+// The load is predicated, and ptxas multiplies the entry by the LUT factor right after it, so each warp waits for
+// the codebook before it issues A and its weights: the L2 prefetch of the first k-steps gets that head start. An
+// unpredicated load (select and multiply in build_lut) issues them at once and was 5-10% slower (H100, M = 1, us:
+// 4096 x 14336 k = 3 13.2 -> 14.0, 8192 x 8192 k = 4 16.0 -> 17.5; docs/kernel.md "The codebook wait").
 __device__ __forceinline__ float load_codebook_entry(const KbitGemmParams& p) {
     const int lane = threadIdx.x % 32;
     return lane < p.codebook_len ? __ldg(p.codebook + lane) : 0.0f;
