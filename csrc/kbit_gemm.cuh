@@ -74,7 +74,7 @@
 //    slot of step i-1, compute step i; per 2 k-steps with register weights, below); 2-4 stages in
 //    112 KB (MB 1-4, two CTAs per SM) or 226 KB (MB 8).
 //    Each dequantized fragment feeds MB MMAs. The weights: MB = 4, 8 use the per-warp smem rings above;
-//    MB = 1, 2 (M <= 16) keep them in registers instead (W_REG_STAGES = 3, 2): each lane loads its own
+//    MB = 1, 2 (M <= 16) keep them in registers instead (W_REG_STAGES = 2, 2; 3 for k = 2 in configs 2, 10): each lane loads its own
 //    words and scales with ld.global.nc.L1::no_allocate into a ring of that many k-steps, refilling a
 //    slot right after the compute that used it (the loop is unrolled by the depth, so every slot is a
 //    fixed set of registers). That drops the cp.async write, the LDS read back and the ring's wait from
@@ -1187,8 +1187,16 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 // same workspace slots as configs 0-1. MB = 1, 2 keep their weights in registers instead of the smem
 // ring (W_REG_STAGES, section 4).
 // ---------------------------------------------------------------------------------------------
-#ifndef KBIT_W_REG_STAGES_MB1 // k-steps of weights in flight in registers at MB = 1 (0: the smem ring)
-#define KBIT_W_REG_STAGES_MB1 3
+// k-steps of weights in flight in registers at MB = 1 (0: the smem ring): 2, but 3 for k = 2 with one warp along k
+// (configs 2, 10). H100, M = 1, back to back, us, 3 -> 2 deep, k = 2 / 3 / 4 / 5: 4096 x 14336 (config 8) 11.3 / 13.2 /
+// 14.8 / 18.7 -> 10.9 / 12.4 / 13.9 / 17.4; 14336 x 4096 (config 10) 11.3 / 13.2 / 14.6 / 17.4 -> 11.5 /
+// 12.6 / 13.8 / 16.7; 8192 x 8192 12.1 / 14.1 / 15.9 / 19.6 -> 12.3 / 13.5 / 15.4 / 18.8; 28672 x 8192 33.5 / 41.6 / 46.9
+// / 57.9 -> 33.7 / 39.8 / 46.3 / 55.7; 4096 x 4096 (config 8) 5.8 / 6.6 / 7.0 -> 5.9-6.0 / 6.3 / 7.0
+#ifndef KBIT_W_REG_STAGES_MB1
+#define KBIT_W_REG_STAGES_MB1 2
+#endif
+#ifndef KBIT_W_REG_STAGES_MB1_K2_WK1
+#define KBIT_W_REG_STAGES_MB1_K2_WK1 3
 #endif
 #ifndef KBIT_W_REG_STAGES_MB2
 #define KBIT_W_REG_STAGES_MB2 2
@@ -1215,7 +1223,8 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
     static constexpr int W_STAGE_WORDS = Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS; // per warp
     // W_REG_STAGES > 0: the weights skip shared memory; each lane loads its own words (ld.global.nc) into a
     // register ring that many k-steps deep (section 4) and the smem ring holds only A
-    static constexpr int W_REG_STAGES = MB_ == 1   ? KBIT_W_REG_STAGES_MB1
+    static constexpr int W_REG_STAGES = MB_ == 1   ? (K_BITS_ == 2 && WARPS_K_ == 1 ? KBIT_W_REG_STAGES_MB1_K2_WK1
+                                                                                 : KBIT_W_REG_STAGES_MB1)
                                         : MB_ == 2 ? KBIT_W_REG_STAGES_MB2
                                         : MB_ == 4 ? KBIT_W_REG_STAGES_MB4
                                                    : 0;
