@@ -197,7 +197,13 @@ constexpr int MAX_SPLITS = 16;
 //   20.5; 8192 x 28672 (8 of 28) M=16 42.0 / 47.9 / 52.8 / 64.1 -> 44.5 / 52.6 / 54.8 / 69.6; 28672 x 8192 (2 of 32)
 //   M=16 44.8 / 53.2 / 55.6 / 69.2 -> 46.9 / 56.1 / 57.4 / 74.2 (M=1 36.2 / 44.0 / 49.1 / 61.8 -> 35.3 / 44.0 / 48.6
 //   / 61.0). Four or eight warps along k were slower everywhere (docs/kernel.md).
-constexpr int WARPS_K_MIN_SPLITS = 8, WARPS_K_MAX_SPLIT_STEPS = 7;
+// k = 5 takes them only for splits of 4 k-steps or fewer: with splits of 7 the second warp along k lost at M = 8 and 16
+// (even at M = 1).
+// H100, us, forced, two rounds, config 2 / 8 at M = 8, 3 / 9 at M = 16, k = 5 (k = 4 for comparison):
+//   4096 x 14336 (16 splits of 7): M=8 17.3 / 18.4, 17.5 / 18.9 (k = 4 15.3 / 15.1); M=16 22.6 / 24.2, 22.7 / 24.1
+//     (k = 4 19.4 / 18.8); M=1 17.1 / 17.4, 17.8 / 17.5 (even)
+//   4096 x 4096 (8 of 4): M=16 10.8 / 10.5, 10.7 / 10.4; 2048 x 8192 (16 of 4): M=16 11.8 / 11.0, 11.7 / 11.0
+constexpr int WARPS_K_MIN_SPLITS = 8, WARPS_K_MAX_SPLIT_STEPS = 7, WARPS_K_MAX_SPLIT_STEPS_K5 = 4;
 constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)
 // The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
 // (A counter region sized per call let one call's partial sums land where a later call with more
@@ -215,7 +221,8 @@ struct Dispatch {
 // which permutes the tokens first (section 1): the transpose costs k = 5 ~8% of every tile (shared-memory pipe), the
 // permute one pass over A, which a wide N amortizes. H100, k = 5, M = 1024, us, benchmark (weights rotated, two
 // rounds), transposed vs permuted: 4096 x 14336 176 / 190 vs 199 / 205; 8192 x 8192 and 28672 x 8192 (853 / 859 vs
-// 800 / 789) slower.
+// 800 / 789) slower; 14336 x 4096 too (M = 512 / 1024, two rounds: 107.2 / 203.4, 107.1 / 204.3 permuted vs 112.7 /
+// 220.5, 113.1 / 213.1 transposed).
 #ifndef KBIT_WS_K5_TRANSPOSE_MAX_N // dev/build_variant.sh
 #define KBIT_WS_K5_TRANSPOSE_MAX_N 4096
 #endif
@@ -413,7 +420,8 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         config = FIRST_SHARED_A_CONFIG + 1; // 16-token tiles
     if (config == FIRST_SHARED_A_CONFIG || config == FIRST_SHARED_A_CONFIG + 1) {
         const int splits = choose_splits(config_info(config), M, N, K_dim, sm_count);
-        if (splits >= WARPS_K_MIN_SPLITS && ceil_div(k_steps, splits) <= WARPS_K_MAX_SPLIT_STEPS)
+        const int max_split_steps = k_bits == 5 ? WARPS_K_MAX_SPLIT_STEPS_K5 : WARPS_K_MAX_SPLIT_STEPS;
+        if (splits >= WARPS_K_MIN_SPLITS && ceil_div(k_steps, splits) <= max_split_steps)
             config += WARPS_K_CONFIG_OFFSET; // two warps along k: half the splits
         else if (config == FIRST_SHARED_A_CONFIG &&
                  sm_load(SEVEN_WARP_CONFIG, M, N, K_dim, sm_count) < sm_load(config, M, N, K_dim, sm_count))

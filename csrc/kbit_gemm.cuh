@@ -326,7 +326,10 @@ struct KbitGemmConfig {
     // bounds the loop (section 7): H200 M = 1, us, with / without: k = 3 28672 x 8192 59.4 / 60.6,
     // 8192 x 28672 53.4 / 54.6; k = 4 57.5 / 55.4, 51.3 / 50.1; k = 2 46.8 / 46.0. Kept for k = 3 only.
     // Again with the weights in registers (H100, us): k = 2 38.2 / 38.1, k = 4 51.4 / 50.7, k = 5 79.4 / 76.9.
-    static constexpr bool POST_SCALE = MB == 1 && K_BITS == 3;
+#ifndef KBIT_POST_SCALE_MAX_MB // POST_SCALE up to this many token tiles (dev/build_variant.sh)
+#define KBIT_POST_SCALE_MAX_MB 1
+#endif
+    static constexpr bool POST_SCALE = MB <= KBIT_POST_SCALE_MAX_MB && K_BITS == 3;
     // E4M4 and POST_SCALE: the scale is the code's bits << 19 as an fp32 (= absmax * 2^-116, exact,
     // subnormals included), the LUT holds codebook * 16, so acc = C * 2^-112 until the store
     static constexpr float OUT_FACTOR = ABS_U8 && POST_SCALE ? 5.192296858534828e33f : 1.0f; // 2^112
@@ -1201,6 +1204,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 #ifndef KBIT_W_REG_STAGES_MB2
 #define KBIT_W_REG_STAGES_MB2 2
 #endif
+#ifndef KBIT_W_REG_STAGES_MB2_K2
+#define KBIT_W_REG_STAGES_MB2_K2 KBIT_W_REG_STAGES_MB2
+#endif
 #ifndef KBIT_W_REG_STAGES_MB4
 #define KBIT_W_REG_STAGES_MB4 0
 #endif
@@ -1225,7 +1231,7 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
     // register ring that many k-steps deep (section 4) and the smem ring holds only A
     static constexpr int W_REG_STAGES = MB_ == 1   ? (K_BITS_ == 2 && WARPS_K_ == 1 ? KBIT_W_REG_STAGES_MB1_K2_WK1
                                                                                  : KBIT_W_REG_STAGES_MB1)
-                                        : MB_ == 2 ? KBIT_W_REG_STAGES_MB2
+                                        : MB_ == 2 ? (K_BITS_ == 2 ? KBIT_W_REG_STAGES_MB2_K2 : KBIT_W_REG_STAGES_MB2)
                                         : MB_ == 4 ? KBIT_W_REG_STAGES_MB4
                                                    : 0;
     static_assert(WARPS_K_ == 1 || W_REG_STAGES > 0, "warps along k only with the weights in registers");
