@@ -16,6 +16,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total 
 print('torch', torch.__version__, 'bnb', bitsandbytes.__version__, 'kbit', bk.__file__, 'native', cextension.is_available()); \
 assert bitsandbytes.functional.quantize_kbit is bk.quantize_kbit") 2>&1 | grep -v kernels-community | tee -a "$out/gpu.txt"
 
+# the SASS order that M = 1 depends on (dev/check_codebook_order.py; cuobjdump comes with the CUDA toolkit)
+if command -v cuobjdump > /dev/null && [ -f "$root/dev/check_codebook_order.py" ]; then
+    python3 "$root/dev/check_codebook_order.py" "$root"/.whl/site/bitsandbytes_kbit/libbitsandbytes_kbit_cuda.so 2>&1 \
+        | tee "$out/codebook_order.txt"
+fi
+
 # tests: run from tests/ so the installed package (with its library) is imported, not the source tree
 pytest_rc=0
 if [ -z "${KBIT_SKIP_TESTS:-}" ]; then
@@ -36,6 +42,7 @@ if [ -n "${KBIT_DEMO:-}" ]; then  # the main job on the GPU; without the model p
 fi
 
 echo "==================== summary"
+[ -f "$out/codebook_order.txt" ] && head -n 4 "$out/codebook_order.txt"
 if [ -f "$out/pytest.log" ]; then
     grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -30
     tail -n 3 "$out/pytest.log"

@@ -626,7 +626,9 @@ struct KbitGemmParams {
 // The load is predicated, and ptxas multiplies the entry by the LUT factor right after it, so each warp waits for
 // the codebook before it issues A and its weights: the L2 prefetch of the first k-steps gets that head start. An
 // unpredicated load (select and multiply in build_lut) issues them at once and was 5-10% slower (H100, M = 1, us:
-// 4096 x 14336 k = 3 13.2 -> 14.0, 8192 x 8192 k = 4 16.0 -> 17.5; docs/kernel.md "The codebook wait").
+// 4096 x 14336 k = 3 13.2 -> 14.0, 8192 x 8192 k = 4 16.0 -> 17.5; docs/kernel.md "The codebook wait"). Nothing in
+// the source asks for that order: an unrelated epilogue change made ptxas sink the multiply below the weight loads in
+// config 8 (4096 x 14336 M = 1 k = 4 13.9 -> 16.0 us). dev/check_codebook_order.py checks a build for it.
 __device__ __forceinline__ float load_codebook_entry(const KbitGemmParams& p) {
     const int lane = threadIdx.x % 32;
     return lane < p.codebook_len ? __ldg(p.codebook + lane) : 0.0f;
