@@ -681,7 +681,14 @@ template <class Cfg> struct StreamCursor {
         for (int mt = 0; mt < Cfg::MT; mt++) {
             const int n16 = n16_base + mt;
             valid_mt |= (n16 < p.n16_tiles ? 1u : 0u) << mt;
+#ifdef KBIT_PROBE_UNIT_GROUP // timing probe only: the units of KBIT_PROBE_UNIT_GROUP rows side by side per k-step
+            // (a permutation of the same bytes where n16_tiles is a multiple of the group; wrong values)
+            constexpr int G = KBIT_PROBE_UNIT_GROUP;
+            const int n16c = min(n16, p.n16_tiles - 1);
+            const long long unit = ((long long)(n16c / G) * p.k_steps + kstep) * G + n16c % G;
+#else
             const long long unit = (long long)min(n16, p.n16_tiles - 1) * p.k_steps + kstep;
+#endif
             g_w[mt] = p.B + unit * F::UNIT_WORDS + lane * 4;
             g_abs[mt] = reinterpret_cast<const char*>(p.B_absmax) +
                         (unit * UNIT_ABSMAX + (lane / 4) * 8) * (Cfg::ABS_U8 ? 1 : 2);
@@ -695,8 +702,13 @@ template <class Cfg> struct StreamCursor {
     __device__ __forceinline__ void advance() {
 #pragma unroll
         for (int mt = 0; mt < Cfg::MT; mt++) {
+#ifdef KBIT_PROBE_UNIT_GROUP
+            g_w[mt] += Cfg::Fmt::UNIT_WORDS * KBIT_PROBE_UNIT_GROUP;
+            g_abs[mt] += UNIT_ABSMAX * (Cfg::ABS_U8 ? 1 : 2) * KBIT_PROBE_UNIT_GROUP;
+#else
             g_w[mt] += Cfg::Fmt::UNIT_WORDS;
             g_abs[mt] += UNIT_ABSMAX * (Cfg::ABS_U8 ? 1 : 2);
+#endif
         }
         g_a += UNIT_K;
         k_a += UNIT_K;
@@ -1520,6 +1532,9 @@ __device__ __forceinline__ void prefetch_warp_split_l2(const KbitGemmParams& p, 
     constexpr int ABS_ELEM_BYTES = Cfg::ABS_U8 ? 1 : 2;
     const int mt = lane % Cfg::MT, n16 = n16_base + mt;
     if (steps <= 0 || lane >= 2 * Cfg::MT || n16 >= p.n16_tiles) return;
+#ifdef KBIT_PROBE_UNIT_GROUP
+    return; // the probe's order is not the one prefetched here
+#endif
     const long long unit = (long long)n16 * p.k_steps + kstep;
     const char* g = lane < Cfg::MT ? reinterpret_cast<const char*>(p.B + unit * F::UNIT_WORDS)
                                    : reinterpret_cast<const char*>(p.B_absmax) + unit * UNIT_ABSMAX * ABS_ELEM_BYTES;
