@@ -631,6 +631,9 @@ struct KbitGemmParams {
 // config 8 (4096 x 14336 M = 1 k = 4 13.9 -> 16.0 us). dev/check_codebook_order.py checks a build for it.
 __device__ __forceinline__ float load_codebook_entry(const KbitGemmParams& p) {
     const int lane = threadIdx.x % 32;
+#ifdef KBIT_PROBE_CODEBOOK_CONST // timing probe only: no codebook read (as if it came by value; wrong values)
+    return lane < p.codebook_len ? 0.125f * (float)(lane - p.codebook_len / 2) : 0.0f;
+#endif
     return lane < p.codebook_len ? __ldg(p.codebook + lane) : 0.0f;
 }
 
@@ -1052,15 +1055,25 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
 #pragma unroll
                 for (int r = 0; r < 4; r++) __stcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane, acc[mt][mb][r]);
     }
+#ifdef KBIT_PROBE_SPLITK_STORE_ONLY // timing probe only: slot stores, no barrier, counter or reads; split 0 stores C
+    return split == 0;
+#endif
     sync(); // the CTA's slot stores happen before thread 0's release below
     if (threadIdx.x == 0) {
+#ifdef KBIT_PROBE_SPLITK_RELAXED_ATOMIC // timing probe only: no fence around the counter (unordered slot reads)
+        const int prev = atomicAdd(p.counters + tile_id, 1);
+#else
         const int prev = atomic_add_acq_rel_gpu(p.counters + tile_id, 1); // release our slot, acquire the others'
+#endif
         const int last = prev == n_splits - 1;
         if (last) p.counters[tile_id] = 0; // self-reset for the next call (kernel boundaries order it)
         *s_flag = last;
     }
     sync(); // thread 0's acquire happens before every thread's slot reads
     if (!*s_flag) return false;
+#ifdef KBIT_PROBE_SPLITK_NO_READS // timing probe only: the last CTA stores its own partial as C
+    return true;
+#endif
     if (is_writer) {
         zero_acc<Cfg>(acc);
         for (int sp = 0; sp < n_splits; sp++) { // ptxas unrolls by 4 and issues the 4 slots' loads together
