@@ -106,6 +106,19 @@
 //    H100, k = 4, us, two rounds: 28672 x 8192 M = 512 (448 tiles, 52 split) 466.7 / 451.8 -> 428.2 / 428.3,
 //    14336 x 4096 M = 1024 233.2 / 233.6 -> 224.9 / 229.6 (cuBLAS 338 and 165): less than the wave count
 //    promises (3.5 waves for 4), so the waves are not all of the story there.
+//    In a clustered launch (section 10) the two halves of a tail tile are one cluster of 2 instead and sum through
+//    each other's shared memory (ws_pair_reduce_store): each parks the fp32 accumulators of the token half the other
+//    stores (64 KB, in its free token slots 2 and 3), arrives on the other's mbarrier with cluster-scope release,
+//    adds the other's park through DSMEM to its own half and stores it:
+//          rank 0 (k half 0): park tokens 128..255 --DSMEM--> rank 1 adds, stores C tokens 128..255
+//          rank 1 (k half 1): park tokens   0..127 --DSMEM--> rank 0 adds, stores C tokens   0..127
+//    split 0 + split 1 either way, so the workspace path's bits. Through the workspace the last CTA of a tail tile
+//    wrote 128 KB, took the counter, read 256 KB and stored the whole tile alone; a timing-only build without the
+//    counter and the reads (KBIT_PROBE_SPLITK_STORE_ONLY) had been 2-3% faster at M = 1024 on 14336 x 4096. H100,
+//    us, benchmarking/bench_kbit_gemm.py (cuBLAS fp16 186 / 189 and 374 / 379), workspace -> pair, k = 2 / 3 / 4 / 5:
+//    14336 x 4096 M = 1024 194.4 / 199.6 / 203.9 / 205.7 -> 186.7 / 194.2 / 195.2 / 195.7, 28672 x 8192 M = 512
+//    369.6 / 374.7 / 392.2 / 392.4 -> 357.0 / 373.5 / 386.6 / 386.4 (dev/probe_paths.py, two processes each, k = 4 / 5:
+//    28672 x 8192 M = 512 382.6 / 388.3, 389.9 / 392.3 -> 375.4 / 371.9, 381.0 / 376.9).
 //
 // 8. The weights transposed in the kernel, the tokens not permuted (k = 2..4; k = 5 where N <= 4096). The weight
 //    producer's slot is read by warps 10 and 11 once its copies land: each lane loads its words of 4 units, exchanges
@@ -157,8 +170,8 @@
 //
 // 10. Token multicast (p.ws_multicast). The tokens are most of what the TMA moves (per k-step 64 KB of them against
 //    8 KB of k = 4 weights). Where a launch has no k splits, an even number of weight tiles and of split tail tiles
-//    (section 7; there a cluster is the same k half of two tiles: tail CTA j runs half j / 2 % 2 of tile
-//    F + j / 4 * 2 + j % 2), the CTAs
+//    (section 7; there a cluster is the two k halves of one tile, which share no tokens: each loads its 256 rows as
+//    two boxes and the pair sums through shared memory), the CTAs
 //    of weight tiles 2c and 2c + 1 of one m tile run as a cluster of 2 and share the token tile: each one's producer
 //    loads its 128 rows of every box with .multicast::cluster into the same slot of both CTAs, and each consumer warp
 //    releases a token slot in both (t_empty counts 16 arrives), so a slot is refilled when both have read it:
@@ -238,7 +251,7 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     static constexpr int LUT_WORDS = Base::LUT_ENTRIES * LUT_COPIES * Base::LUT_ENTRY_BYTES / 4;
     static constexpr int LUT_STRIDE_LOG2 = ilog2(LUT_COPIES * Base::LUT_ENTRY_BYTES);
     static constexpr int LUT_BYTES = 4 * LUT_WORDS;
-    static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 3 * W_STAGES);
+    static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 3 * W_STAGES + 2); // + the pair reduction's two
     static constexpr int SMEM_BYTES = 1024 /* alignment */ + TOK_STAGES * TOK_HALF_BYTES + LUT_BYTES +
                                       W_STAGES * W_STAGE_BYTES + BAR_BYTES;
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
@@ -414,9 +427,10 @@ __global__ void kbit_permute_tokens_kernel(const uint16_t* __restrict__ A, uint3
 // rows] of 16-bit values, 16-byte chunk c of token m's 256-byte row at chunk c ^ (m % 8) (conflict-free both ways),
 // then each token's 256 bytes to its row of C with 16-byte stores (element stores where C or N is not 16-byte
 // aligned and at the edge of N).
-template <class Cfg, typename T>
+template <class Cfg, typename T, int TOK_BEGIN = 0, int TOK_END = Cfg::TOK>
 __device__ __forceinline__ void ws_store_tile(const float (&acc)[128], const KbitGemmParams& p, uint32_t s_stage,
                                               int n_cta, int m_base, int warp, int lane) {
+    static_assert(TOK_BEGIN % 16 == 0 && TOK_END % 16 == 0 && TOK_BEGIN < TOK_END && TOK_END <= Cfg::TOK, "token rows");
     const int g = lane / 4, q = lane / 8, j = lane % 8;
     const T* g_bias = reinterpret_cast<const T*>(p.bias);
     float bias[2] = {0.0f, 0.0f}; // rows n_cta + 16 warp + g + 8h of this lane's fragments
@@ -429,7 +443,7 @@ __device__ __forceinline__ void ws_store_tile(const float (&acc)[128], const Kbi
     // matrix u of a stmatrix = (token group mb + u / 2, row half u % 2); lane 8u + j addresses its token
     // 8 (mb + u / 2) + j
 #pragma unroll
-    for (int mb = 0; mb < Cfg::TOK / 8; mb += 2) {
+    for (int mb = TOK_BEGIN / 8; mb < TOK_END / 8; mb += 2) {
         uint32_t r[4];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
@@ -444,7 +458,7 @@ __device__ __forceinline__ void ws_store_tile(const float (&acc)[128], const Kbi
     const bool vec = ((reinterpret_cast<uintptr_t>(p.C) | ((size_t)p.N * sizeof(T))) % 16) == 0;
     const int c = threadIdx.x % 16, n = n_cta + 8 * c; // thread i: chunk i % 16 of tokens i / 16 + 16 s
 #pragma unroll 4
-    for (int s = 0; s < Cfg::TOK / 16; s++) {
+    for (int s = TOK_BEGIN / 16; s < TOK_END / 16; s++) {
         const int ml = threadIdx.x / 16 + 16 * s;
         if (m_base + ml >= p.M) break;
         const uint4 v = lds_128(s_stage + ml * 256 + ((c ^ (ml % 8)) << 4));
@@ -474,7 +488,47 @@ template <class Cfg> struct WsSmem {
     __device__ __forceinline__ uint32_t w_empty(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + Cfg::W_STAGES + s); }
     // weight slot s transposed (Cfg::TRANSPOSE, section 8): what the consumers wait for instead of w_full
     __device__ __forceinline__ uint32_t w_ready(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + 2 * Cfg::W_STAGES + s); }
+    // the split last wave's pair reduction: the partner's park is written / this CTA's park has been read
+    __device__ __forceinline__ uint32_t park_full() const { return bar + 8 * (2 * Cfg::TOK_STAGES + 3 * Cfg::W_STAGES); }
+    __device__ __forceinline__ uint32_t park_read() const { return park_full() + 8; }
 };
+
+// The split last wave's pair reduction (section 7): the two k halves of a tile run as one cluster of 2 (rank =
+// half). Each parks the accumulators of the token half the other finalizes in its own free token slots 2, 3, arrives on
+// the other's park_full, waits on its own, adds the other's parked half to its own (split 0 + split 1: the workspace
+// path's bits) through DSMEM, arrives on the other's park_read and stores its token half; it exits once its own park
+// has been read. Park: float4 i of consumer thread x at (i * 256 + x) * 16 bytes (a warp's 512 contiguous bytes).
+__device__ __forceinline__ void mbar_arrive_cluster_release(uint32_t s_cluster_addr) {
+    KBIT_SM90A_ASM("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(s_cluster_addr) : "memory");
+}
+template <class Cfg, typename T, int KEEP>
+__device__ __forceinline__ void ws_pair_reduce_store(float (&acc)[128], const KbitGemmParams& p, const WsSmem<Cfg>& sm,
+                                                     int n_cta, int m_base, int warp, int lane) {
+    static_assert(Cfg::TOK_STAGES >= 4 && Cfg::TOK == 256, "the park takes token slots 2 and 3");
+    constexpr int GIVE = 1 - KEEP, HALF = Cfg::TOK / 2;
+    const uint32_t tid = threadIdx.x, peer = cluster_rank() ^ 1u;
+    const uint32_t park = sm.tok_slot(2);
+    named_barrier_sync(1, Cfg::CONSUMER_THREADS); // both warpgroups' wgmmas have read their last token slot
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const float* a = acc + 64 * GIVE + 4 * i;
+        KBIT_SM90A_ASM("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(park + (i * 256u + tid) * 16u), "f"(a[0]),
+                       "f"(a[1]), "f"(a[2]), "f"(a[3])
+                       : "memory");
+    }
+    mbar_arrive_cluster_release(map_to_rank(sm.park_full(), peer));
+    mbar_wait_cluster(sm.park_full(), 0);
+    const uint32_t peer_park = map_to_rank(park, peer);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const float4 v = ld_cluster_f32x4(peer_park + (i * 256u + tid) * 16u);
+        float* a = acc + 64 * KEEP + 4 * i;
+        a[0] += v.x, a[1] += v.y, a[2] += v.z, a[3] += v.w; // commutative: split 0 + split 1 either way
+    }
+    mbar_arrive_cluster_release(map_to_rank(sm.park_read(), peer));
+    ws_store_tile<Cfg, T, KEEP * HALF, KEEP * HALF + HALF>(acc, p, sm.tok, n_cta, m_base, warp, lane);
+    mbar_wait(sm.park_read(), 0); // the other CTA has read this one's park: it may go
+}
 
 // The producer warps: one streams the weights (k-step i into weight slot i % W_STAGES), another the tokens (half j
 // into token slot j % TOK_STAGES), each gated only by its own ring's "empty" barriers, so the weights run up to
@@ -511,7 +565,7 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
 // no CTA exits while the other may still arrive on its barriers.
 template <class Cfg>
 __device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const WsSmem<Cfg>& sm, int m_base,
-                                                  int k_begin, int n_steps, bool multicast) {
+                                                  int k_begin, int n_steps, bool multicast, bool half_boxes) {
     const int rank = multicast ? (int)cluster_rank() : 0;
     const uint32_t dst_off = rank * (Cfg::TOK / 2) * 128;
     for (int j = 0; j < 2 * n_steps; j++) { // half j of this split = k (k_begin + j / 2) * UNIT_K + (j % 2) * HALF_K
@@ -521,7 +575,10 @@ __device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const
         const int k = k_begin * UNIT_K + j * Cfg::HALF_K;
         if (multicast)
             tma_load_2d_multicast(sm.tok_slot(ts) + dst_off, tmap, k, m_base + rank * (Cfg::TOK / 2), sm.t_full(ts), 0x3);
-        else
+        else if (half_boxes) { // a pair CTA of a multicast launch (the map's boxes are TOK / 2 rows)
+            tma_load_2d(sm.tok_slot(ts), tmap, k, m_base, sm.t_full(ts));
+            tma_load_2d(sm.tok_slot(ts) + (Cfg::TOK / 2) * 128, tmap, k, m_base + Cfg::TOK / 2, sm.t_full(ts));
+        } else
             tma_load_2d(sm.tok_slot(ts), tmap, k, m_base, sm.t_full(ts));
     }
     if (multicast) // the releases still to come (both CTAs' consumers release up to half 2 n_steps - 1 - LAG)
@@ -764,17 +821,20 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     // split blockIdx.y of the k-steps (section 2); the host plans no empty split (ws_splits). Without k splits, the
     // tiles of a partial last wave run as two CTAs each, half the k-steps apiece, last in the grid (section 7)
     int tile = blockIdx.x, split = blockIdx.y, n_splits = p.k_splits, ks = p.ks_per_split, slot_tile = blockIdx.x;
-    if (n_splits == 1 && tile >= p.ws_tail_from) { // with the multicast the clusters pair tiles 2c, 2c + 1 per half
+    // pair: a split last wave's CTA of a clustered launch, its cluster the two k halves of its tile (section 7)
+    bool pair = false;
+    if (n_splits == 1 && tile >= p.ws_tail_from) {
         const int j = tile - p.ws_tail_from;
-        tile = p.ws_tail_from + (p.ws_multicast ? j / 4 * 2 + j % 2 : j / 2);
-        split = p.ws_multicast ? j / 2 % 2 : j % 2, n_splits = 2, ks = (p.k_steps + 1) / 2, slot_tile = tile - p.ws_tail_from;
+        tile = p.ws_tail_from + j / 2, split = j % 2, n_splits = 2, ks = (p.k_steps + 1) / 2;
+        slot_tile = tile - p.ws_tail_from, pair = p.ws_multicast != 0;
     }
     const int k_begin = split * ks;
     const int n_steps = min(ks, p.k_steps - k_begin);
     const int m_tiles = (p.M + Cfg::TOK - 1) / Cfg::TOK;
-    const bool multicast = p.ws_multicast != 0; // clusters of 2 along x: the CTAs of weight tiles 2c, 2c + 1, one m tile
-    const int m_idx = multicast ? (tile / 2) % m_tiles : tile % m_tiles;
-    const int n_idx = multicast ? (tile / 2) / m_tiles * 2 + tile % 2 : tile / m_tiles;
+    const bool clustered = p.ws_multicast != 0; // clusters of 2 along x: the CTAs of weight tiles 2c, 2c + 1, one m tile
+    const bool multicast = clustered && !pair;  // (or, pair: the two k halves of one tile)
+    const int m_idx = clustered ? (tile / 2) % m_tiles : tile % m_tiles;
+    const int n_idx = clustered ? (tile / 2) / m_tiles * 2 + tile % 2 : tile / m_tiles;
     const int m_base = m_idx * Cfg::TOK;
     const int n16_cta = n_idx * Cfg::CONSUMER_WARPS;
 
@@ -788,9 +848,11 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
             mbar_init(sm.w_empty(s), Cfg::CONSUMER_WARPS);
             mbar_init(sm.w_ready(s), Cfg::TRANSPOSE_WARPS);
         }
+        mbar_init(sm.park_full(), Cfg::CONSUMER_THREADS);
+        mbar_init(sm.park_read(), Cfg::CONSUMER_THREADS);
         KBIT_SM90A_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if (multicast) cluster_barrier(); // both CTAs' barriers exist before either multicasts or arrives remotely
+    if (clustered) cluster_barrier(); // both CTAs' barriers exist before either multicasts or arrives remotely
     else __syncthreads();
     sm.peer_t_empty = multicast ? map_to_rank(sm.t_empty(0), cluster_rank() ^ 1u) : 0u;
 
@@ -798,7 +860,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
         if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
         if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0)
-            ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps, multicast);
+            ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps, multicast, clustered);
         if constexpr (Cfg::TRANSPOSE)
             if (warp >= Cfg::CONSUMER_WARPS + 2) ws_transpose_weights<Cfg>(sm, n_steps, warp - Cfg::CONSUMER_WARPS - 2, lane);
         return;
@@ -821,6 +883,11 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
             ws_step<Cfg, T>(acc, frag, raw, r_w[1], r_abs[1], r_w[0], r_abs[0], sm, i + 1, n_steps, lane_off, warp, lane);
     }
     wgmma_wait<0>();
+    if (pair) { // the two k halves of the tile sum through each other's shared memory (section 7)
+        if (split == 0) ws_pair_reduce_store<Cfg, T, 0>(acc, p, sm, n16_cta * UNIT_ROWS, m_base, warp, lane);
+        else ws_pair_reduce_store<Cfg, T, 1>(acc, p, sm, n16_cta * UNIT_ROWS, m_base, warp, lane);
+        return;
+    }
     float(&acc_tile)[1][32][4] = reinterpret_cast<float(&)[1][32][4]>(acc); // = the m16n8 fragments of 32 token tiles
     if (n_splits > 1) { // the workspace slots of kbit_gemm.cuh section 5, among the consumer warps only
         __shared__ int s_flag;

@@ -451,7 +451,8 @@ def test_cuda_gemm_warp_specialised_token_multicast(k):
     tokens: launches without k splits, with an even number of weight tiles and of split tail tiles): a partial last
     weight tile (N = 1000: 8 tiles) and a last m tile whose second 128 rows all lie past M (M = 600), planned for 24
     SMs (24 tiles: no splits, no tail), for 13 (a last wave of 11: no tail split) and for 10 (the last 4 tiles split
-    in k halves, clusters of one half of two tiles); k = 5 also on a wider weight (N = 4352, 34 tiles: the
+    in k halves, each tile's two halves a cluster summing through shared memory, one of them with every token past M in
+    its half: the last m tile's second 128 rows); k = 5 also on a wider weight (N = 4352, 34 tiles: the
     token-permuting kernel, 102 SMs). Bias, bf16, output poisoned; a second call gives the same bits."""
     run_case(600, 1000, 1312, k, torch.float16, bias=True, config=7, sm_count=24)
     out = run_case(600, 1000, 1312, k, torch.bfloat16, config=7, sm_count=13)
