@@ -37,7 +37,7 @@ def main() -> None:
     for k in (2, 3, 4, 5):
         packed, absmax, cb = F.quantize_kbit(A, k=k)
         nbytes = packed.numel() * 4 + absmax.numel() + n * out.element_size()
-        us = median_us(lambda i: F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype, out=out), iters=50)
+        us = median_us(lambda i, p=packed, a=absmax, c=cb, kb=k: F.dequantize_kbit(p, a, c, kb, n, dtype=dtype, out=out), iters=50)
         bps = nbytes / (us * 1e-6)
         rows.append({"k": k, "bytes": nbytes, "us": us, "GBps": bps / 1e9, "of_copy": bps / copy_bps, "of_rw": bps / rw_bps})
     print(f"\ndequantize_kbit, {n / 2**20:.0f}M elements -> {args.dtype}, {info['gpu']} ({info['sm_count']} SMs)")

@@ -106,7 +106,9 @@
 //    That tail (fence, counter, slot reads: L2 round trips while other CTAs stream) is 11-20% of an 8B-shape call at
 //    M = 1 and 16 (H100, k = 3, M = 16, 4096 x 14336: 17.3 us, 13.8 with every split only storing its slot).
 //    Slower, measured: the sum in a second kernel (1.2-3.7 us per call); slots that read 0 between calls, with a
-//    relaxed counter per CTA or per warp (no fence; M = 16 up to 34% slower). Counters 128 B apart: no change.
+//    relaxed counter per CTA or per warp (no fence; M = 16 up to 34% slower); the splits of a tile as one thread-block
+//    cluster summing through DSMEM (M = 1 up to 6.6 us slower: clusters of 4-16 CTAs are placed within a GPC and fewer
+//    are resident at once; where all fit, 0.1-0.6 us faster). Counters 128 B apart: no change.
 //    docs/kernel.md "The split-K tail taken apart".
 //    Configs 8, 9 (shared-A, WARPS_K = 2): the A slot of a CTA step holds the k-step of each k warp's chunk
 //    (k_begin + wk * chunk + i); where a split's k-steps are odd the second chunk is one shorter and its warp

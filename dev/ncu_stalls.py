@@ -17,7 +17,7 @@ import sys
 
 def run(cmd):
     print("$", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, capture_output=True, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
 
 def to_num(x):
@@ -30,7 +30,7 @@ def to_num(x):
 def summarise(text, top):
     # the CSV may be preceded by ncu's own lines: start at the header row
     lines = text.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.startswith('"Address"') or l.startswith('"#"')), None)
+    start = next((i for i, l in enumerate(lines) if l.startswith(('"Address"', '"#"'))), None)
     if start is None:
         print("\n".join(lines[:40]))
         return

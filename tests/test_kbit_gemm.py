@@ -471,9 +471,7 @@ def test_cuda_gemm_warp_specialised_token_strides(k):
     4096) and from a permuted copy for k = 5 on a wider weight: a padded row stride (lda = K + 32, read by the tensor
     map as it is), and views the op copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference,
     output poisoned."""
-    from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
-
-    from bitsandbytes_kbit.backends.cuda.ops import get_lib
+    from bitsandbytes_kbit.backends.cuda.ops import get_lib, kbit_gemm_cuda
 
     # the workspace is sized the same for every k (k = 5 also holds the permuted tokens), so a cached workspace does
     # not grow, and free what an earlier graph captured, when a call of another k follows
