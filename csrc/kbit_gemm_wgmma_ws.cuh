@@ -505,17 +505,17 @@ template <class Cfg, typename T, int KEEP>
 __device__ __forceinline__ void ws_pair_reduce_store(float (&acc)[128], const KbitGemmParams& p, const WsSmem<Cfg>& sm,
                                                      int n_cta, int m_base, int warp, int lane) {
     static_assert(Cfg::TOK_STAGES >= 4 && Cfg::TOK == 256, "the park takes token slots 2 and 3");
-    constexpr int GIVE = 1 - KEEP, HALF = Cfg::TOK / 2;
+    constexpr int HALF = Cfg::TOK / 2;               // this CTA stores tokens KEEP * HALF .., parks the others
+    [[maybe_unused]] constexpr int GIVE = 1 - KEEP; // (unused where the asm is compiled out: sm_80 builds)
     const uint32_t tid = threadIdx.x, peer = cluster_rank() ^ 1u;
     const uint32_t park = sm.tok_slot(2);
     named_barrier_sync(1, Cfg::CONSUMER_THREADS); // both warpgroups' wgmmas have read their last token slot
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const float* a = acc + 64 * GIVE + 4 * i;
-        KBIT_SM90A_ASM("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(park + (i * 256u + tid) * 16u), "f"(a[0]),
-                       "f"(a[1]), "f"(a[2]), "f"(a[3])
+    for (int i = 0; i < 16; i++)
+        KBIT_SM90A_ASM("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(park + (i * 256u + tid) * 16u),
+                       "f"(acc[64 * GIVE + 4 * i]), "f"(acc[64 * GIVE + 4 * i + 1]), "f"(acc[64 * GIVE + 4 * i + 2]),
+                       "f"(acc[64 * GIVE + 4 * i + 3])
                        : "memory");
-    }
     mbar_arrive_cluster_release(map_to_rank(sm.park_full(), peer));
     mbar_wait_cluster(sm.park_full(), 0);
     const uint32_t peer_park = map_to_rank(park, peer);
