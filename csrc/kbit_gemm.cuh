@@ -108,7 +108,8 @@
 //    Slower, measured: the sum in a second kernel (1.2-3.7 us per call); slots that read 0 between calls, with a
 //    relaxed counter per CTA or per warp (no fence; M = 16 up to 34% slower); the splits of a tile as one thread-block
 //    cluster summing through DSMEM (M = 1 up to 6.6 us slower: clusters of 4-16 CTAs are placed within a GPC and fewer
-//    are resident at once; where all fit, 0.1-0.6 us faster). Counters 128 B apart: no change.
+//    are resident at once; where all fit, 0.1-0.6 us faster), or pushing splits 1.. into split 0's shared memory with
+//    st.async (2-3% faster with 2 splits, 28672 x 8192; slower with 4). Counters 128 B apart: no change.
 //    docs/kernel.md "The split-K tail taken apart".
 //    Configs 8, 9 (shared-A, WARPS_K = 2): the A slot of a CTA step holds the k-step of each k warp's chunk
 //    (k_begin + wk * chunk + i); where a split's k-steps are odd the second chunk is one shorter and its warp
