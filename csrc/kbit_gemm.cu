@@ -570,6 +570,23 @@ template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, 
     check_launch("ckbit_gemm shared-A");
 }
 
+// One token on a one-tile config (M = 1) multiplies each quantization block into its own token column
+// (BLOCK_COLUMNS, kbit_gemm.cuh section 3), for k = 2..4. H100, us, M = 1, k = 2 / 3 / 4 / 5, paths interleaved:
+// 14336 x 4096 11.3 / 12.6 / 13.8 / 16.7 -> 11.0 / 12.4 / 13.5 / 16.5, 28672 x 8192 33.4 / 39.9 / 46.2 / 55.6 ->
+// 32.3 / 38.5 / 45.6 / 55.5, 8192 x 28672 32.1 / 37.7 / 45.4 / 55.7 -> 31.8 / 37.1 / 45.1 / 56.0: k = 5 keeps HMUL2.
+template <int K_BITS> constexpr bool block_columns_for(int mb) { return mb == 1 && K_BITS <= 4; }
+
+template <int K_BITS, int MB, int MT, int CTAS, bool ABS_U8, int WK, int WN, typename T>
+static void launch_shared_a_for_m(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
+    if constexpr (block_columns_for<K_BITS>(MB)) {
+        if (p.M == 1) {
+            launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WK, WN, true>, T>(p, k_splits, stream);
+            return;
+        }
+    }
+    launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WK, WN>, T>(p, k_splits, stream);
+}
+
 constexpr int CLUSTER_MAX_STEPS = 32, CLUSTER_MAX_STEPS_FEWER = 8;
 // Config 6 reduces split-K through a thread-block cluster (kbit_gemm_wgmma.cuh section 8) when the k_splits
 // CTAs of a tile can form a portable cluster (<= 8) and every tile's cluster is resident at once
@@ -827,7 +844,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         KBIT_CONFIG_TABLE(KBIT_LAUNCH)
 #undef KBIT_LAUNCH
 #define KBIT_LAUNCH_SHARED_A(ID, MB, MT, CTAS, WK, WN)                                                               \
-    case ID: launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WK, WN>, T>(p, d.k_splits, stream); break;
+    case ID: launch_shared_a_for_m<K_BITS, MB, MT, CTAS, ABS_U8, WK, WN, T>(p, d.k_splits, stream); break;
         KBIT_SHARED_A_TABLE(KBIT_LAUNCH_SHARED_A)
 #undef KBIT_LAUNCH_SHARED_A
 #define KBIT_LAUNCH_WGMMA(ID, TOK, MT, WARPS)                                                                        \

@@ -56,6 +56,21 @@
 //    in consecutive registers as the MMA wants them (pairs 2h, 2h+2 would cost a move each: 364 vs 306
 //    instructions per k-step). H200 M = 1: 28672 x 8192 48.3 -> 46.0 us, 8192 x 28672 43.1 -> 41.5.
 //    k = 3 at MB = 1 applies the scale in fp32 after the MMA instead (POST_SCALE, KbitGemmConfig).
+//    One token (M = 1, configs 2, 8, 10, k <= 4: BLOCK_COLUMNS) uses the 7 idle token columns: block b of a
+//    k-step is multiplied into column b alone. Its A slot holds block b's activations in row b and zeros in the
+//    other rows (the ring is zeroed once, the copies fill the diagonal), lane g reads row g, so each MMA adds
+//    its block into one column and leaves the others; the LUT holds bare codebook values (x 16) and after a
+//    k-step's 8 MMAs per unit d[n g][col 2t, 2t+1] are the unscaled sums of blocks 2t, 2t+1 (t >= 2: empty
+//    columns), scaled with 4 FFMA per unit in fp32; after the loop 2 shuffles per row sum the columns.
+//      k-step:   block 0    block 1    block 2    block 3          D (16 rows x 8 columns), per k-step
+//      A slot   row 0: a0   row 1: a1  row 2: a2  row 3: a3        col 0 += W[:, blk 0] a0 ... col 3 += ...
+//               (rows 4..7 and the off-diagonal blocks: 0)          acc[n][c] += s[n][blk c] * D[n][c]
+//    That drops the 32 HMUL2 and 8 scale pairs per unit and k-step (k = 4: 706 -> 680 loop instructions per
+//    2 k-steps, 798 with HMUL2), for 16 distinct A rows per LDS.128 instead of a broadcast. H100, M = 1, us,
+//    HMUL2 / lanes masking a broadcast A (16 SEL per k-step) / the diagonal slot, k = 2: 14336 x 4096 11.3 /
+//    11.0 / 11.0, 28672 x 8192 33.4 / 32.3 / 32.2; k = 3 (POST_SCALE before): 39.9 / 39.5 / 38.5; k = 4 46.2 /
+//    45.5 / 45.6; k = 5 55.6 / 55.4 / 55.5 (not taken: no gain). Fewer instructions, little time: the loop is
+//    bound by latency with 4 warps per scheduler (docs/kernel.md "What is in the way at M = 1").
 //    The repack (TiledFormat) stores each lane's pair indices e as contiguous 2k-bit fields of its 2k words, so
 //    the LUT address is one shift (a funnel shift for the k = 3, 5 fields that straddle two words) + one LOP3.
 //    E4M4 scales need no decode arithmetic: the bits (code << 6) ARE an fp16 equal to absmax / 16
@@ -286,7 +301,8 @@ constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
 // Kernel configuration
 // ---------------------------------------------------------------------------------------------
 // SHARED_A_: the base of a KbitSharedAConfig (its own ring; the per-warp ring constants are unused)
-template <int K_BITS_, int MB_, int MT_, int WARPS_N_, int WARPS_K_, bool ABS_U8_, bool SHARED_A_ = false>
+template <int K_BITS_, int MB_, int MT_, int WARPS_N_, int WARPS_K_, bool ABS_U8_, bool SHARED_A_ = false,
+          bool BLOCK_COLUMNS_ = false>
 struct KbitGemmConfig {
     static constexpr int K_BITS = K_BITS_;
     static constexpr int MB = MB_;           // n8 token tiles per warp
@@ -337,10 +353,14 @@ struct KbitGemmConfig {
 #ifndef KBIT_POST_SCALE_MAX_MB // POST_SCALE up to this many token tiles (dev/build_variant.sh)
 #define KBIT_POST_SCALE_MAX_MB 1
 #endif
-    static constexpr bool POST_SCALE = MB <= KBIT_POST_SCALE_MAX_MB && K_BITS == 3;
+    // BLOCK_COLUMNS (M = 1, one-tile shared-A configs): block b of a k-step is multiplied into token column b
+    // (section 3), the scale applied per k-step in fp32
+    static constexpr bool BLOCK_COLUMNS = BLOCK_COLUMNS_;
+    static_assert(!BLOCK_COLUMNS_ || (SHARED_A_ && MB_ == 1), "block columns: one token tile, shared A");
+    static constexpr bool POST_SCALE = !BLOCK_COLUMNS && MB <= KBIT_POST_SCALE_MAX_MB && K_BITS == 3;
     // E4M4 and POST_SCALE: the scale is the code's bits << 19 as an fp32 (= absmax * 2^-116, exact,
     // subnormals included), the LUT holds codebook * 16, so acc = C * 2^-112 until the store
-    static constexpr float OUT_FACTOR = ABS_U8 && POST_SCALE ? 5.192296858534828e33f : 1.0f; // 2^112
+    static constexpr float OUT_FACTOR = ABS_U8 && (POST_SCALE || BLOCK_COLUMNS) ? 5.192296858534828e33f : 1.0f; // 2^112
     // smem: two CTAs per SM (2 x (112 + 1 reserved) KB fit H100/H200's 228 KB and A100's 164 KB per
     // CTA limit); a 16-warp CTA would take the SM alone (226 KB, sm_90 only)
     static constexpr int CTAS_PER_SM = WARPS >= 16 ? 1 : 2;
@@ -648,7 +668,7 @@ __device__ __forceinline__ float load_codebook_entry(const KbitGemmParams& p) {
 // cb_entry: the lane's load_codebook_entry when EARLY_CODEBOOK, else unused (loaded here)
 template <class Cfg, typename T, bool EARLY_CODEBOOK>
 __device__ void build_lut(uint32_t* s_lut, float cb_entry, const KbitGemmParams& p) {
-    const float factor = !Cfg::ABS_U8 ? 1.0f : Cfg::POST_SCALE ? 16.0f : Pack2<T>::E4M4_LUT_FACTOR;
+    const float factor = !Cfg::ABS_U8 ? 1.0f : Cfg::POST_SCALE || Cfg::BLOCK_COLUMNS ? 16.0f : Pack2<T>::E4M4_LUT_FACTOR;
     const float r_cb = (EARLY_CODEBOOK ? cb_entry : load_codebook_entry(p)) * factor;
     const auto pair_value = [&](int pair_index) { // {cb[i0], cb[i1]} * factor; every lane must call it
         int i0, i1;
@@ -1251,9 +1271,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 #ifndef KBIT_A_STAGES_REG // register-weight configs: k-steps of A in the shared ring (a multiple of the above, >= 2x)
 #define KBIT_A_STAGES_REG 4
 #endif
-template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_, int WARPS_K_ = 1, int WARPS_N_ = 8 / WARPS_K_>
-struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true> {
-    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true>;
+template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_, int WARPS_K_ = 1, int WARPS_N_ = 8 / WARPS_K_,
+          bool BLOCK_COLUMNS_ = false>
+struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true, BLOCK_COLUMNS_> {
+    using Base = KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true, BLOCK_COLUMNS_>;
     static_assert(WARPS_N_ * WARPS_K_ == 8 || (WARPS_K_ == 1 && WARPS_N_ == 7),
                   "8 warps = WARPS_N x WARPS_K, or 7 along n (224-row tiles, section 5)");
     // With WARPS_K > 1 the CTA's k-steps are cut into WARPS_K contiguous chunks (one per warp along k, so each warp
@@ -1334,7 +1355,9 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
         if (m >= p.M) continue;                  // rows >= M are never read (compute clamps to the last row)
         const bool ok = k < p.K_dim && (Cfg::WARPS_K == 1 || k < k_end * UNIT_K); // zero fill: padded k must be 0
         const unsigned short* src = ok ? g_A + (long long)m * p.lda + k : g_A;
-        const uint32_t s_dst = s_a + row * Cfg::A_ROW_BYTES + piece * 16;
+        // BLOCK_COLUMNS (M = 1): block b of a k-step goes to row b (its MMA column); the other rows stay zero
+        const int dst_row = Cfg::BLOCK_COLUMNS ? (piece % (UNIT_K / 8)) / 4 : row;
+        const uint32_t s_dst = s_a + dst_row * Cfg::A_ROW_BYTES + piece * 16;
         if (p.a_vec_ok) {
             cp_async_16_zfill(s_dst, src, ok ? 16u : 0u);
         } else {
@@ -1365,6 +1388,73 @@ __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg
     }
     KBIT_SHARED_A_BLOCK(0) KBIT_SHARED_A_BLOCK(1) KBIT_SHARED_A_BLOCK(2) KBIT_SHARED_A_BLOCK(3)
 #undef KBIT_SHARED_A_BLOCK
+}
+
+// BLOCK_COLUMNS (M = 1; section 3): the MMA's 8 token columns are idle but one, so block BLK of a k-step is
+// multiplied into column BLK alone. The A slot holds block b in row b and zeros elsewhere (load_a_shared_async),
+// lane g reads row g (a_off), so its B fragment is block g's activations in block g's MMAs and zero in the
+// others. d[mt] then holds the k-step's 4 unscaled block sums of each row (the LUT holds bare codebook values),
+// scaled once per k-step in fp32: 4 FFMA per unit instead of 32 HMUL2 and 8 scale pairs. fold_block_columns
+// sums the columns of each row after the loop.
+template <class Cfg, typename T>
+__device__ __forceinline__ void compute_units_block_columns(float (&acc)[Cfg::MT][Cfg::MB][4],
+                                                            const uint32_t (&r_w)[Cfg::MT][Cfg::Fmt::LANE_WORDS],
+                                                            const uint32_t (&r_abs)[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4],
+                                                            uint32_t s_a, uint32_t a_off, uint32_t s_lut,
+                                                            uint32_t lane_off, int lane) {
+    float d[Cfg::MT][4];
+#define KBIT_BLOCK_COLUMN(BLK)                                                                                      \
+    {                                                                                                           \
+        uint4 r_b;                                                                                              \
+        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"                                                  \
+                     : "=r"(r_b.x), "=r"(r_b.y), "=r"(r_b.z), "=r"(r_b.w)                                       \
+                     : "r"(s_a + a_off + (BLK) * 64));                                                          \
+        _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++) {                                                \
+            uint32_t frag0[4], frag1[4];                                                                        \
+            lookup_frag_a<Cfg, 2 * (BLK)>(frag0, r_w[mt], s_lut, lane_off);                                     \
+            lookup_frag_a<Cfg, 2 * (BLK) + 1>(frag1, r_w[mt], s_lut, lane_off);                                 \
+            if ((BLK) == 0) d[mt][0] = d[mt][1] = d[mt][2] = d[mt][3] = 0.0f;                                   \
+            mma_m16n8k16(d[mt], frag0, r_b.x, r_b.y, T());                                                      \
+            mma_m16n8k16(d[mt], frag1, r_b.z, r_b.w, T());                                                      \
+        }                                                                                                       \
+    }
+    KBIT_BLOCK_COLUMN(0) KBIT_BLOCK_COLUMN(1) KBIT_BLOCK_COLUMN(2) KBIT_BLOCK_COLUMN(3)
+#undef KBIT_BLOCK_COLUMN
+    // d0, d1: row g, columns (blocks) 2t, 2t + 1; d2, d3: row g + 8. Lanes t = 2, 3 hold the empty columns 4..7.
+    const bool odd = lane & 1;
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++) {
+        uint32_t r_sel[Cfg::ABS_BYTES_PER_LANE / 4]; // this lane's two blocks moved to blocks 0, 1 of each row
+        if constexpr (Cfg::ABS_U8) {
+            r_sel[0] = r_abs[mt][0] >> (odd ? 16 : 0);
+            r_sel[1] = r_abs[mt][1] >> (odd ? 16 : 0);
+        } else {
+            r_sel[0] = odd ? r_abs[mt][1] : r_abs[mt][0];
+            r_sel[1] = 0u;
+            r_sel[2] = odd ? r_abs[mt][3] : r_abs[mt][2];
+            r_sel[3] = 0u;
+        }
+        acc[mt][0][0] = fmaf(scale_f32<Cfg>(r_sel, 0), d[mt][0], acc[mt][0][0]);
+        acc[mt][0][1] = fmaf(scale_f32<Cfg>(r_sel, 1), d[mt][1], acc[mt][0][1]);
+        acc[mt][0][2] = fmaf(scale_f32<Cfg>(r_sel, 4), d[mt][2], acc[mt][0][2]);
+        acc[mt][0][3] = fmaf(scale_f32<Cfg>(r_sel, 5), d[mt][3], acc[mt][0][3]);
+    }
+}
+
+// BLOCK_COLUMNS after the loop: each row's sum over its 8 columns (4 lanes x 2 registers) as token 0's value
+template <class Cfg> __device__ __forceinline__ void fold_block_columns(float (&acc)[Cfg::MT][Cfg::MB][4]) {
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++) {
+        float r_g = acc[mt][0][0] + acc[mt][0][1], r_g8 = acc[mt][0][2] + acc[mt][0][3];
+        r_g += __shfl_xor_sync(0xffffffffu, r_g, 1);
+        r_g8 += __shfl_xor_sync(0xffffffffu, r_g8, 1);
+        r_g += __shfl_xor_sync(0xffffffffu, r_g, 2);
+        r_g8 += __shfl_xor_sync(0xffffffffu, r_g8, 2);
+        acc[mt][0][0] = r_g;
+        acc[mt][0][1] = 0.0f;
+        acc[mt][0][2] = r_g8;
+        acc[mt][0][3] = 0.0f;
+    }
 }
 
 // A lane's weights of one k-step (MT units) in registers: one slot of the W_REG_STAGES-deep register ring
@@ -1490,6 +1580,11 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
     // A's few hundred bytes go out before the weights, so their first wait is not queued behind the weight
     // loads (H100, M = 1, us: 14336 x 4096 k = 4 16.8 -> 16.2, k = 5 24.4 -> 23.3; 28672 x 8192 k = 5 76.0 ->
     // 74.0). With two token tiles this pays only with the codebook copied first (CODEBOOK_BY_CP_ASYNC).
+    if constexpr (Cfg::BLOCK_COLUMNS) { // zero the A ring once: the copies fill only its diagonal
+        for (int x = threadIdx.x; x < S * Cfg::A_STAGE_WORDS / 4; x += Cfg::THREADS)
+            sts128(s_a_ring + 16 * x, make_uint4(0u, 0u, 0u, 0u));
+        __syncthreads(); // before the copies into the diagonal
+    }
     prefill_a();
     StepWeightRegs<Cfg> ring[D] = {}; // zeroed: slots of absent units (rows >= N) are never loaded
 #pragma unroll
@@ -1530,8 +1625,13 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             // kernel). 3 steps before the end: as fast at M = 1, 4096 x 14336 M = 16 17.3 -> 17.6.
             if (i == n_steps - 1) allow_dependent_launch();
 #ifndef KBIT_PROBE_NO_COMPUTE
-            compute_units_shared_a<Cfg, T>(acc, ring[d].w, ring[d].abs, s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS,
-                                           a_off, s_lut, lane_off);
+            if constexpr (Cfg::BLOCK_COLUMNS)
+                compute_units_block_columns<Cfg, T>(acc, ring[d].w, ring[d].abs,
+                                                    s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS, a_off[0], s_lut,
+                                                    lane_off, lane);
+            else
+                compute_units_shared_a<Cfg, T>(acc, ring[d].w, ring[d].abs, s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS,
+                                               a_off, s_lut, lane_off);
 #endif
             if (i == 0) KBIT_TIMELINE(6);
 #ifndef KBIT_PROBE_NO_LOADS
@@ -1600,7 +1700,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     const int a_last_row = min(p.M - m_base, Cfg::TILE_M) - 1;
 #pragma unroll
     for (int mb = 0; mb < Cfg::MB; mb++)
-        a_off[mb] = min(mb * 8 + lane / 4, a_last_row) * Cfg::A_ROW_BYTES + wk * 2 * UNIT_K + (lane % 4) * 16;
+        a_off[mb] = (Cfg::BLOCK_COLUMNS ? lane / 4 : min(mb * 8 + lane / 4, a_last_row)) * Cfg::A_ROW_BYTES +
+                    wk * 2 * UNIT_K + (lane % 4) * 16;
 
     float acc[Cfg::MT][Cfg::MB][4];
     zero_acc<Cfg>(acc);
@@ -1614,6 +1715,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
         shared_a_loop_smem_ring<Cfg, T>(acc, p, cur, k_begin, n_steps, m_base, s_a_ring, s_w_ring, a_off, s_lut_ptr,
                                         cb_entry, lane_off, lane);
     cp_async_wait<0>();
+    if constexpr (Cfg::BLOCK_COLUMNS) fold_block_columns<Cfg>(acc);
     allow_dependent_launch(); // past its loads (the register loop allowed it at its last step already): the next GEMM
                               // may take the SM slots this grid's CTAs leave
     KBIT_TIMELINE(3);

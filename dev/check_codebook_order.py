@@ -19,8 +19,8 @@ import re
 import subprocess
 import sys
 
-# KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WARPS_K, WARPS_N>, mangled
-CONFIG = re.compile(r"KbitSharedAConfigILi(\d)ELi(\d)ELi(\d)ELi(\d)ELb(\d)ELi(\d)ELi(\d)EEE(\d+)__(\w+?)EEv")
+# KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WARPS_K, WARPS_N, BLOCK_COLUMNS>, mangled
+CONFIG = re.compile(r"KbitSharedAConfigILi(\d)ELi(\d)ELi(\d)ELi(\d)ELb(\d)ELi(\d)ELi(\d)ELb(\d)EEE(\d+)__(\w+?)EEv")
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;")
 
 
@@ -55,11 +55,11 @@ def main() -> int:
         m = CONFIG.search(name)
         if "kbit_gemm_shared_a_kernel" not in name or m is None:
             continue
-        k_bits, mb, _, _, abs_u8, warps_k, warps_n, _, dtype = m.groups()
+        k_bits, mb, _, _, abs_u8, warps_k, warps_n, block_columns, _, dtype = m.groups()
         if mb != "1" or abs_u8 != "1":  # two token tiles copy the codebook first (cp.async); fp16 absmax has no FMUL
             continue
         codebook, use, weight = order_of(instructions)
-        what = f"k={k_bits} warps {warps_n}x{warps_k} {dtype}"
+        what = f"k={k_bits} warps {warps_n}x{warps_k}{' block columns' if block_columns == '1' else ''} {dtype}"
         checked += 1
         if codebook is None or use is None or weight is None or not codebook < use < weight:
             bad.append(f"{what}: codebook load at {codebook}, its first use at {use}, first weight load at {weight}")

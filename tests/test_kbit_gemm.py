@@ -275,6 +275,31 @@ def test_cuda_gemm_every_config_bf16_fp16_absmax(k):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("k", KS)
+def test_cuda_gemm_one_token_every_config(k):
+    """M = 1, where the one-tile configs multiply each quantization block into its own token column of the MMA
+    (k <= 4): every config (forced) with split-K planned for 7 and 132 SMs (config 8's short last k chunk
+    included), fp16 and bf16, E4M4 and fp16 absmax, bias, a K_dim whose last k-step is partly past it, an A
+    row that is not 16-byte aligned (the fallback copy), and the same bits from a second call."""
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available, gemm_num_configs, kbit_gemm_cuda
+
+    for config in [-1] + [c for c in range(gemm_num_configs()) if gemm_config_available(c)]:
+        for sm_count in (7, 132):
+            run_case(1, 1000, 1312, k, torch.bfloat16, absmax_format="fp16", bias=True, config=config,
+                     sm_count=sm_count)
+            out = run_case(1, 1000, 1312, k, torch.float16, bias=config % 2 == 0, config=config, sm_count=sm_count)
+            assert torch.equal(out, run_case(1, 1000, 1312, k, torch.float16, bias=config % 2 == 0, config=config,
+                                             sm_count=sm_count))
+        N, K_dim = 1000, 4096
+        packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
+        Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+        A = torch.randn(1, K_dim + 1, generator=seeded("one-token", k, config)).to("cuda", torch.float16)[:, 1:]
+        out = torch.full((1, N), float("nan"), dtype=torch.float16, device="cuda")
+        kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, None, out, config=config, sm_count=132)
+        assert rel_err(out, reference(A, packed, absmax, cb, k, N, K_dim)) <= TOL[torch.float16]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_every_config_token_tiles(k):
     """Every config the device can run (the Hopper wgmma ones included), forced, at token counts
     around the 64- and 128-token tiles (partial tiles, several m tiles) and with split-K planned for
