@@ -94,14 +94,16 @@ static ConfigInfo config_info(int id) {
 static int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
 
 // device facts come from the device, cached per device ordinal
-static int device_smem_optin() {
-    static int s_optin[64] = {};
+template <cudaDeviceAttr ATTR> static int cached_device_attribute() {
+    static int s_value[64] = {};
     int dev = 0;
     cudaGetDevice(&dev);
     if (dev >= 64) dev = 63;
-    if (s_optin[dev] == 0) cudaDeviceGetAttribute(&s_optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    return s_optin[dev];
+    if (s_value[dev] == 0) cudaDeviceGetAttribute(&s_value[dev], ATTR, dev);
+    return s_value[dev];
 }
+static int device_smem_optin() { return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
+static int device_l2_bytes() { return cached_device_attribute<cudaDevAttrL2CacheSize>(); }
 
 
 // the wgmma configs run when the library holds sm_90a code (CMake defines KBIT_WGMMA_BUILT when the
@@ -173,6 +175,20 @@ constexpr int WGMMA_SMALL_WORK_MIN_M = 32;
 constexpr int SMALL_WEIGHT_MAX_UNITS_PER_SM = 32;
 constexpr int SMALL_WEIGHT_MB2_MAX_M = 128;
 constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 64;
+// 17..32 tokens (config 4's range, 256 x 32 tiles with the weights in a shared-memory ring). A weight that fits in
+// half the L2 is read by the second 16-token tile from there, so config 3 (register weights) wins; on larger
+// weights the wgmma config wins at k = 3, and at k = 4 on weights of 2^27 elements or more. H100, us, M = 20 / 32,
+// config 4 (the rule before) -> the new choice (dev/probe_paths.py --configs 3 4 6):
+//   config 3: 4096 x 4096 k = 2..5 15.9 / 16.5, 16.3 / 16.9, 15.8 / 16.4, 18.0 / 18.6 -> 10.9 / 11.2, 11.6 / 11.9,
+//     11.9 / 12.5, 14.4 / 14.9 (cuBLAS fp16 14.2 / 14.5); k = 2 14336 x 4096 24.2 / 25.9 -> 23.0 / 23.4, 4096 x 14336
+//     25.3 / 26.3 -> 21.6 / 22.5, 8192 x 8192 25.1 / 26.5 -> 23.3 / 24.3; k = 3 14336 x 4096 26.9 / 28.6 -> 26.7 /
+//     27.7, 4096 x 14336 27.7 / 28.9 -> 25.4 / 26.3
+//   config 6: k = 3 8192 x 8192 27.7 / 29.3 -> 27.6 / 27.9, 28672 x 8192 80.5 / 86.7 -> 77.2 / 79.8, 8192 x 28672
+//     75.6 / 81.5 -> 73.3 / 77.0; k = 4 28672 x 8192 82.8 / 89.3 -> 78.4 / 80.8, 8192 x 28672 78.2 / 85.8 -> 75.5 / 81.0
+//   kept on config 4: k = 4 14336 x 4096 25.1 / 26.5 (config 6 25.8 / 26.5, config 3 27.2 / 28.3), 8192 x 8192 27.0 /
+//     28.9 (28.7 / 29.4); k = 2 and 5 of the 70B shapes (28672 x 8192 k = 5 109.6 / 115.5, config 6 116.0 / 117.0)
+constexpr int MID_M_MAX = 32;
+constexpr long long MID_M_WGMMA_K4_MIN_WEIGHT = 1LL << 27;
 constexpr int PER_WARP_SMALL_M_MAX = 4;  // configs 0 (A in the ring) up to here, then 1
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
@@ -418,10 +434,19 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
     if (M > PER_WARP_MAX_M && M <= (k_bits == 5 ? SMALL_WEIGHT_MB2_MAX_M_K5 : SMALL_WEIGHT_MB2_MAX_M) &&
         units < SMALL_WEIGHT_MAX_UNITS_PER_SM * sms)
         config = FIRST_SHARED_A_CONFIG + 1; // 16-token tiles
+    bool mid_m_l2 = false; // config 3 for 17..32 tokens from L2 (measured without the warps along k below)
+    if (config == FIRST_SHARED_A_CONFIG + 2 && M <= MID_M_MAX) { // config 4 (17..32 tokens): the rule above the constants
+        const long long weight_bytes = (long long)N * K_dim * (4 * k_bits + 1) / 32; // N K (k / 8 + 1 / 32)
+        if (2 * weight_bytes <= device_l2_bytes())
+            config = FIRST_SHARED_A_CONFIG + 1, mid_m_l2 = true; // 16-token tiles: the second reads the weight from L2
+        else if (wgmma_available() &&
+                 (k_bits == 3 || (k_bits == 4 && (long long)N * K_dim >= MID_M_WGMMA_K4_MIN_WEIGHT)))
+            config = FIRST_WGMMA_CONFIG;
+    }
     if (config == FIRST_SHARED_A_CONFIG || config == FIRST_SHARED_A_CONFIG + 1) {
         const int splits = choose_splits(config_info(config), M, N, K_dim, sm_count);
         const int max_split_steps = k_bits == 5 ? WARPS_K_MAX_SPLIT_STEPS_K5 : WARPS_K_MAX_SPLIT_STEPS;
-        if (splits >= WARPS_K_MIN_SPLITS && ceil_div(k_steps, splits) <= max_split_steps)
+        if (!mid_m_l2 && splits >= WARPS_K_MIN_SPLITS && ceil_div(k_steps, splits) <= max_split_steps)
             config += WARPS_K_CONFIG_OFFSET; // two warps along k: half the splits
         else if (config == FIRST_SHARED_A_CONFIG &&
                  sm_load(SEVEN_WARP_CONFIG, M, N, K_dim, sm_count) < sm_load(config, M, N, K_dim, sm_count))
