@@ -174,7 +174,10 @@
 //      register A also lost to shared A at M = 5..16 on large weights (28.7 vs 22.0 us): each warp
 //      loaded 16 bytes per token tile and block through L1, twice the weight bytes at M = 16.
 //    - MB = 1 with 128-row CTAs, three per SM (24 warps, 73 KB each): 1-6% slower than two 256-row
-//      CTAs per SM, so occupancy is not what bounds M = 1.
+//      CTAs per SM, so occupancy is not what bounds M = 1. Again with the weights in registers, config 3
+//      as MT = 1, 128-row CTAs, three per SM (72-80 registers, no spills): M = 16 slower everywhere (H100,
+//      us, k = 2 / 3 / 4 / 5: 14336 x 4096 14.8 / 16.8 / 18.1 / 21.6 -> 16.9 / 19.2 / 19.8 / 29.5, 28672 x 8192
+//      44.5 / 53.6 / 56.1 / 71.8 -> 54.8 / 74.4 / 76.5 / 78.4): twice the A fragment loads per weight.
 //    - stream-K for the shared-A configs (one CTA per slot, equal shares of tiles x k-steps, a CTA
 //      spanning two tiles parks the first partial and arrives on both counters at its end): H200
 //      k = 4, 28672 x 8192 M=1 56.7 -> 53.5 us (split-K filled 224 of 264 slots), but 14336 x 4096
