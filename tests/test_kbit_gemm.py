@@ -423,7 +423,13 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
         assert staged(3000, N, K_dim, k) == transposing_k5, (N, K_dim, k)
         assert not staged(2000, N, K_dim, k), (N, K_dim, k)
         assert staged(4100, N, K_dim, k), (N, K_dim, k)  # above 4096
-    assert staged(3000, 4096, 4096, 4)  # a smaller weight: staged
+    # a smaller weight above 1024 tokens: config 7 only where its tiles fill >= 9/10 of every wave, k <= 4
+    assert staged(1280, 4096, 4096, 4)  # 160 tiles: 1.21 waves
+    assert staged(4096, 4096, 4096, 4)  # 512 tiles: 3.88 waves
+    assert not staged(2048, 4096, 4096, 4)  # 256 tiles: 1.94 waves
+    assert not staged(4096, 1024, 4096, 3)  # 128 tiles: 0.97 waves
+    assert staged(4096, 1024, 4096, 5)
+    assert staged(3000, 1024, 4096, 4)  # 96 tiles
     run_case(3000, 14336, 4096, 3, torch.float16, bias=True)
     run_case(3000, 4096, 14336, 2, torch.bfloat16)
     run_case(3000, 14336, 4096, 5, torch.float16)
