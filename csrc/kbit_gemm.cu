@@ -385,12 +385,15 @@ static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_bits, int k_spli
     return partial + tokens == 0 ? 0 : COUNTER_REGION_BYTES + partial + tokens;
 }
 // Above WS_MAX_M_SMALL_WEIGHT tokens a smaller weight keeps config 7 where its CTAs fill at least 9/10 of every
-// wave, the last one included, and k <= 4: there the staged path pays its dequantize for no better waves. H100, us,
+// wave, the last one included, k <= 4 and no k splits (ws_config_fits; what was measured): there the staged path
+// pays its dequantize for no better waves. H100, us,
 // paths interleaved (dev/probe_paths.py --configs 7 --staged), k = 2 / 3 / 4 / 5, config 7 vs staged (cuBLAS fp16):
 //   1024 x 4096 M=4096 (128 tiles, 0.97 waves) 55.0 / 56.3 / 56.7 / 60.8 vs 57.9 / 58.4 / 58.4 / 59.3 (55.0)
 //   4096 x 4096 M=2048 (256 tiles, 1.94 waves) 106.2 / 107.0 / 110.6 / 115.8 vs 114.1 / 124.2 / 120.2 / 120.1 (106)
 //   4096 x 4096 M=4096 (512 tiles, 3.88 waves) 217.8 / 220.1 / 225.0 / 234.9 vs 220.0 / 225.1 / 225.9 / 229.8 (215)
 //   4096 x 4096 M=1280 (160 tiles, 1.21 waves, before) 89.3 vs 76.3 at k = 4
+//   1024 x 14336 M=2048 (64 tiles x 2 k splits: staged) k = 2 / 4 102.6 / 106.1 vs 103.2 / 109.0 (94.9 / 97.0);
+//   M=4096 (128 tiles) 178.2 / 183.0 vs 189.5 / 203.0 (181.4 / 188.7)
 static bool ws_small_weight_full_waves(long long ctas, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1, last_wave = ctas % sms;
     return k_bits <= 4 && 10 * ctas >= 9 * sms && (last_wave == 0 || 10 * last_wave >= 9 * sms);
@@ -398,9 +401,10 @@ static bool ws_small_weight_full_waves(long long ctas, int k_bits, int sm_count)
 static bool ws_config_fits(int M, int N, int K_dim, int k_bits, int sm_count) {
     const int max_m = k_bits == 5 && !ws_permuted_tokens(k_bits, N) ? WS_MAX_M_K5_TRANSPOSED : WS_MAX_M;
     if (M < WS_MIN_M || M > max_m || !wgmma_available()) return false;
-    const long long ctas = ws_tiles(M, N, K_dim, k_bits) * ws_splits(M, N, K_dim, k_bits, sm_count);
-    if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT)
-        return ws_small_weight_full_waves(ctas, k_bits, sm_count);
+    const int splits = ws_splits(M, N, K_dim, k_bits, sm_count);
+    const long long ctas = ws_tiles(M, N, K_dim, k_bits) * splits;
+    if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT) // measured without k splits only
+        return splits == 1 && ws_small_weight_full_waves(ctas, k_bits, sm_count);
     return 4 * ctas >= 3LL * (sm_count > 0 ? sm_count : 1);
 }
 // The staged path (dequantize + cuBLAS, backends/cuda/ops.py) above 256 tokens, unless config 7 takes the call

@@ -430,6 +430,7 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
     assert not staged(4096, 1024, 4096, 3)  # 128 tiles: 0.97 waves
     assert staged(4096, 1024, 4096, 5)
     assert staged(3000, 1024, 4096, 4)  # 96 tiles
+    assert staged(2048, 1024, 14336, 4)  # 64 tiles x 2 k splits: not measured there, staged
     run_case(3000, 14336, 4096, 3, torch.float16, bias=True)
     run_case(3000, 4096, 14336, 2, torch.bfloat16)
     run_case(3000, 14336, 4096, 5, torch.float16)
