@@ -51,8 +51,7 @@ static bool check_launch(const char* what) {
 #define KBIT_WGMMA_TABLE(X)                                                                                          \
     X(6, 64, 1, 16) /* M > 32 on sm_90a: 256 rows x 64 tokens, 4 warpgroups; replaces the wide config */
 // warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
-// tokens, producer warps (bulk copies of the weights, TMA of the tokens, the weight transpose) and 2 consumer
-// warpgroups; k = 5 reads the tokens through a permuted copy instead of transposing the weights
+// tokens, producer warps (bulk copies of the weights, TMA of the tokens) and 2 consumer warpgroups
 constexpr int WS_CONFIG = 7;
 constexpr int NUM_CONFIGS = 11;
 constexpr int WARPS_K_CONFIG_OFFSET = 6; // configs 8, 9 = configs 2, 3 with two warps along k
@@ -233,28 +232,6 @@ struct Dispatch {
     int k_splits;
 };
 
-// Config 7 transposes the weights in the kernel (kbit_gemm_wgmma_ws.cuh section 8), except k = 5 on a wide weight,
-// which permutes the tokens first (section 1): the transpose costs k = 5 ~8% of every tile (shared-memory pipe), the
-// permute one pass over A, which a wide N amortizes. H100, k = 5, M = 1024, us, benchmark (weights rotated, two
-// rounds), transposed vs permuted: 4096 x 14336 176 / 190 vs 199 / 205; 8192 x 8192 and 28672 x 8192 (853 / 859 vs
-// 800 / 789) slower; 14336 x 4096 too (M = 512 / 1024, two rounds: 107.2 / 203.4, 107.1 / 204.3 permuted vs 112.7 /
-// 220.5, 113.1 / 213.1 transposed).
-#ifndef KBIT_WS_K5_TRANSPOSE_MAX_N // dev/build_variant.sh
-#define KBIT_WS_K5_TRANSPOSE_MAX_N 4096
-#endif
-constexpr int WS_K5_TRANSPOSE_MAX_N = KBIT_WS_K5_TRANSPOSE_MAX_N;
-static bool ws_permuted_tokens(int k_bits, int N) { return k_bits == 5 && N > WS_K5_TRANSPOSE_MAX_N; }
-// config 7: rows of A per permuted-token chunk (whole 256-token tiles, at most WS_TOKEN_BYTES of A')
-static int ws_token_rows(int M, int N, int K_dim, int k_bits) {
-    if (!ws_permuted_tokens(k_bits, N)) return ceil_div(M, 256) * 256; // one launch: the tensor map reads A itself
-    const long long fit = (long long)(WS_TOKEN_BYTES / ((size_t)K_dim * 2)) / 256 * 256;
-    const long long rows = (long long)ceil_div(M, 256) * 256;
-    return (int)(rows < (fit < 256 ? 256 : fit) ? rows : (fit < 256 ? 256 : fit));
-}
-static size_t ws_token_bytes(int M, int N, int K_dim, int k_bits) {
-    return (size_t)ws_token_rows(M, N, K_dim, k_bits) * K_dim * 2;
-}
-
 static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_splits) {
     if (k_splits <= 1) return 0;
     const long long n_ctas = ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n);
@@ -308,29 +285,19 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 //             through the L2 (m tile fastest, A itself 64-448 MB)
 // so config 7 up to 4096 tokens on weights of 32M elements or more, and up to 1024 below (4096 x 4096, 1024 x 4096)
 // unless its waves are full (ws_small_weight_full_waves).
-// k = 5 the same where it permutes the tokens (N > WS_K5_TRANSPOSE_MAX_N), since the benchmark times each path at its
-// own steady-state clock (docs/kernel.md, "At the power limit"); its weight-transposing kernel (N <= 4096) stops at
-// WS_MAX_M_K5_TRANSPOSED. Before, timed in short interleaved rounds that gave cuBLAS-heavy paths the clock of the lighter ones, k = 5
-// stopped at 2048 tokens below N = 16384 (its kernels pay the token permute or the slower weight transpose,
-// kbit_gemm_wgmma_ws.cuh section 8): at M = 4096 it lost to the staged path on 8192 x 8192 960.6 vs 906.7, 4096 x
-// 14336 834.9 vs 778.6 and 8192 x 28672 3191.8 vs 3133.0 there. Settled (H100, k = 5, M = 4096, us, three rounds,
-// config 7 vs staged, cuBLAS fp16): 14336 x 4096 803.9 vs 831.2 (755.3), 4096 x 14336 791.4 vs 784.0 (748.4), 8192 x
-// 8192 913.9 vs 930.5 (861.9), 8192 x 28672 2921.9 vs 3167.7 (2902.7), 28672 x 8192 3080.6 vs 3213.9 (2896.6); M =
-// 2048: 386.8 vs 434.6, 415.3 vs 427.9, 462.3 vs 482.1, 1483.7 vs 1678.2, 1510.0 vs 1648.6. (The same launch timed
-// twice in one such run differed by up to 8%: 14336 x 4096 k = 3 M = 4096 761.1 and 829.3.)
-// The benchmark run after that (config 7 for every k = 5 weight at M = 4096) had 4096 x 14336 at 811.3 us against
-// cuBLAS 718.6 (0.89x), where the staged path had run at 0.94x in the run before; the other k = 5 weights moved within
-// the spread (8192 x 28672 3112 -> 3001 us, 14336 x 4096 799.5 -> 801.8). So the transposing kernel keeps 2048.
+// k = 5 the same: its kernel, which then still paid a token permute (kbit_gemm_wgmma_ws.cuh section 8), was ahead of
+// or level with the staged path at M = 4096 with each path timed at its own steady-state clock (docs/kernel.md, "At
+// the power limit"; H100, k = 5, us, three rounds, config 7 vs staged, cuBLAS fp16): 14336 x 4096 803.9 vs 831.2
+// (755.3), 4096 x 14336 791.4 vs 784.0 (748.4), 8192 x 8192 913.9 vs 930.5 (861.9), 8192 x 28672 2921.9 vs 3167.7
+// (2902.7), 28672 x 8192 3080.6 vs 3213.9 (2896.6); M = 2048: 386.8 vs 434.6, 415.3 vs 427.9, 462.3 vs 482.1, 1483.7
+// vs 1678.2, 1510.0 vs 1648.6. (The same launch timed twice in one such run differed by up to 8%: 14336 x 4096 k = 3
+// M = 4096 761.1 and 829.3.)
 constexpr int WS_MIN_M = 129;
 constexpr int WS_MAX_M = 4096;
-constexpr int WS_MAX_M_K5_TRANSPOSED = 2048;
 constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
 constexpr long long WS_LARGE_WEIGHT = 1LL << 25; // 4096 x 8192 and up, not 4096 x 4096
-// Config 7 tiles of one launch (one chunk of M, ws_token_rows)
-static long long ws_tiles(int M, int N, int K_dim, int k_bits) {
-    const int rows = ws_token_rows(M, N, K_dim, k_bits);
-    return (long long)ceil_div(N, 128) * ceil_div(M < rows ? M : rows, 256);
-}
+// Config 7 tiles of a launch
+static long long ws_tiles(int M, int N) { return (long long)ceil_div(N, 128) * ceil_div(M, 256); }
 // Config 7 split along k where its tiles leave SMs idle: as many splits as fit one CTA per SM, each of at least
 // WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (128 KB
 // of fp32 each) through the workspace slots of kbit_gemm.cuh section 5. H100, k = 4, us, paths interleaved
@@ -357,32 +324,26 @@ static int ws_tail_tiles(long long tiles, int k_steps, int sm_count) {
     const long long tail = tiles % sms;
     return tiles > sms && tail > 0 && 2 * tail <= sms && k_steps >= 2 * WS_MIN_SPLIT_STEPS / 3 ? (int)tail : 0;
 }
-static size_t ws_partial_bytes(int M, int N, int K_dim, int k_bits, int k_splits, int sm_count) {
-    if (k_splits > 1) return (size_t)k_splits * ws_tiles(M, N, K_dim, k_bits) * WS_TILE_BYTES;
-    const int rows = ws_token_rows(M, N, K_dim, k_bits), k_steps = ceil_div(K_dim, UNIT_K);
-    const long long n_tiles = ceil_div(N, 128), last_rows = M - (long long)(ceil_div(M, rows) - 1) * rows;
-    const int tail = max(ws_tail_tiles(n_tiles * ceil_div(M < rows ? M : rows, 256), k_steps, sm_count),
-                         ws_tail_tiles(n_tiles * ceil_div(last_rows, 256), k_steps, sm_count)); // full, last chunk
-    return (size_t)tail * 2 * WS_TILE_BYTES;
+static size_t ws_partial_bytes(int M, int N, int K_dim, int k_splits, int sm_count) {
+    if (k_splits > 1) return (size_t)k_splits * ws_tiles(M, N) * WS_TILE_BYTES;
+    return (size_t)ws_tail_tiles(ws_tiles(M, N), ceil_div(K_dim, UNIT_K), sm_count) * 2 * WS_TILE_BYTES;
 }
-static int ws_splits(int M, int N, int K_dim, int k_bits, int sm_count) {
-    const long long tiles = ws_tiles(M, N, K_dim, k_bits);
+static int ws_splits(int M, int N, int K_dim, int sm_count) {
+    const long long tiles = ws_tiles(M, N);
     const int k_steps = ceil_div(K_dim, UNIT_K);
     const long long sms = sm_count > 0 ? sm_count : 1;
     if (tiles >= sms || tiles > MAX_SPLIT_CTAS) return 1;
     long long splits = sms / tiles;
     if (splits > k_steps / WS_MIN_SPLIT_STEPS) splits = k_steps / WS_MIN_SPLIT_STEPS;
     if (splits > MAX_SPLITS) splits = MAX_SPLITS;
-    while (splits > 1 && ws_partial_bytes(M, N, K_dim, k_bits, (int)splits, sm_count) > MAX_WORKSPACE_BYTES) splits--;
+    while (splits > 1 && ws_partial_bytes(M, N, K_dim, (int)splits, sm_count) > MAX_WORKSPACE_BYTES) splits--;
     if (splits <= 1) return 1;
     return ceil_div(k_steps, ceil_div(k_steps, splits)); // the last split is never empty
 }
-// counters, the partial tiles (k splits, or the halves of a split last wave), then the permuted tokens (k = 5 on a
-// wide weight; the others transpose the weights in the kernel instead); 0 when none is needed
-static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_bits, int k_splits, int sm_count) {
-    const size_t partial = ws_partial_bytes(M, N, K_dim, k_bits, k_splits, sm_count);
-    const size_t tokens = ws_permuted_tokens(k_bits, N) ? ws_token_bytes(M, N, K_dim, k_bits) : 0;
-    return partial + tokens == 0 ? 0 : COUNTER_REGION_BYTES + partial + tokens;
+// counters and the partial tiles (k splits, or the halves of a split last wave); 0 when none is needed
+static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_count) {
+    const size_t partial = ws_partial_bytes(M, N, K_dim, k_splits, sm_count);
+    return partial == 0 ? 0 : COUNTER_REGION_BYTES + partial;
 }
 // Above WS_MAX_M_SMALL_WEIGHT tokens a smaller weight keeps config 7 where its CTAs fill at least 9/10 of every
 // wave, the last one included, k <= 4 and no k splits (ws_config_fits; what was measured): there the staged path
@@ -399,10 +360,9 @@ static bool ws_small_weight_full_waves(long long ctas, int k_bits, int sm_count)
     return k_bits <= 4 && 10 * ctas >= 9 * sms && (last_wave == 0 || 10 * last_wave >= 9 * sms);
 }
 static bool ws_config_fits(int M, int N, int K_dim, int k_bits, int sm_count) {
-    const int max_m = k_bits == 5 && !ws_permuted_tokens(k_bits, N) ? WS_MAX_M_K5_TRANSPOSED : WS_MAX_M;
-    if (M < WS_MIN_M || M > max_m || !wgmma_available()) return false;
-    const int splits = ws_splits(M, N, K_dim, k_bits, sm_count);
-    const long long ctas = ws_tiles(M, N, K_dim, k_bits) * splits;
+    if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
+    const int splits = ws_splits(M, N, K_dim, sm_count);
+    const long long ctas = ws_tiles(M, N) * splits;
     if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT) // measured without k splits only
         return splits == 1 && ws_small_weight_full_waves(ctas, k_bits, sm_count);
     return 4 * ctas >= 3LL * (sm_count > 0 ? sm_count : 1);
@@ -433,7 +393,7 @@ static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
 
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1;
-    if (ws_config_fits(M, N, K_dim, k_bits, sm_count)) return Dispatch{WS_CONFIG, ws_splits(M, N, K_dim, k_bits, sm_count)};
+    if (ws_config_fits(M, N, K_dim, k_bits, sm_count)) return Dispatch{WS_CONFIG, ws_splits(M, N, K_dim, sm_count)};
     const auto tiles = [&](int config) {
         const ConfigInfo c = config_info(config);
         return (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m());
@@ -732,13 +692,10 @@ template <typename Kernel> static bool ws_multicast_fits(Kernel kernel, int thre
     return s_known[dev] > 0;
 }
 
-// config 7 per chunk of M (ws_token_rows): for the token-permuting kernel (k = 5, wide N) permute the chunk's tokens
-// into the workspace (after the counter region, which stays zero, and the partial tiles), else read A itself (one
-// chunk); encode the tensor map, launch one CTA per (128-row, 256-token) tile and k split, m tile fastest
+// config 7: encode the tensor map of A, launch one CTA per (128-row, 256-token) tile and k split, m tile fastest
 template <class Cfg, typename T>
 static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, size_t workspace_bytes, int sm_count,
                             cudaStream_t stream) {
-    constexpr int K_BITS = Cfg::Fmt::LANE_WORDS / 2;
     if (!wgmma_available()) {
         set_error("ckbit_gemm", "the wgmma configs need a compute capability 9.0 GPU and a library built for sm_90a");
         return;
@@ -746,57 +703,33 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
     static bool s_attr_set[64] = {};
     if (!prepare_launch(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, k_splits, "wgmma-ws"))
         return;
-    const int rows_chunk = ws_token_rows(p.M, p.N, p.K_dim, K_BITS);
-    const size_t need = ws_workspace_bytes(p.M, p.N, p.K_dim, K_BITS, k_splits, sm_count);
+    const size_t need = ws_workspace_bytes(p.M, p.N, p.K_dim, k_splits, sm_count);
     if (need > 0 && (workspace == nullptr || workspace_bytes < need)) {
         set_error("ckbit_gemm", "config 7 needs a workspace of ckbit_gemm_workspace_bytes");
         return;
     }
-    if (!Cfg::TRANSPOSE != ws_permuted_tokens(K_BITS, p.N)) {
-        set_error("ckbit_gemm", "config 7: token permutation and weight transpose disagree");
-        return;
-    }
     p.counters = reinterpret_cast<int*>(workspace);
     p.partials = need > 0 ? reinterpret_cast<float*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES) : nullptr;
-    uint32_t* A_perm = need > 0 ? reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES +
-                                                              ws_partial_bytes(p.M, p.N, p.K_dim, K_BITS, k_splits, sm_count))
-                                : nullptr;
-    for (int m0 = 0; m0 < p.M; m0 += rows_chunk) {
-        const int rows = p.M - m0 < rows_chunk ? p.M - m0 : rows_chunk;
-        const void* tokens = reinterpret_cast<const uint16_t*>(p.A) + (long long)m0 * p.lda;
-        long long ld = p.lda;
-        if (!Cfg::TRANSPOSE) {
-            const long long threads = 4LL * rows * (p.K_dim / BLOCK_ELEMS); // a lane quad per (row, 32-block)
-            kbit_permute_tokens_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, stream>>>(
-                reinterpret_cast<const uint16_t*>(tokens), A_perm, rows, p.K_dim, p.lda, p.a_vec_ok);
-            if (!check_launch("ckbit_gemm permute tokens")) return;
-            tokens = A_perm;
-            ld = p.K_dim;
-        }
-        KbitGemmParams q = p;
-        q.M = rows;
-        q.C = reinterpret_cast<char*>(p.C) + (long long)m0 * p.N * (long long)sizeof(T);
-        const int n_tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS), tiles = n_tiles * ceil_div(rows, Cfg::TOK);
-        const int tail = k_splits > 1 ? 0 : ws_tail_tiles(tiles, p.k_steps, sm_count);
-        q.ws_tail_from = tiles - tail;
-        q.ws_multicast = k_splits == 1 && tail % 2 == 0 && n_tiles % 2 == 0 &&
-                         ws_multicast_fits(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::WS_THREADS, Cfg::SMEM_BYTES);
-        CUtensorMap map;
-        if (!make_token_map(&map, tokens, rows, p.K_dim, ld, q.ws_multicast ? Cfg::TOK / 2 : Cfg::TOK)) {
-            set_error("ckbit_gemm", "cuTensorMapEncodeTiled failed for the tokens");
-            return;
-        }
-        const dim3 grid(tiles + tail, k_splits);
-        if (q.ws_multicast) {
-            cudaLaunchAttribute attr;
-            cudaLaunchConfig_t cfg = split_cluster_launch(grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream, attr);
-            attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1;
-            cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_ws_kernel<Cfg, T>, q, map);
-        } else {
-            kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(q, map);
-        }
-        if (!check_launch("ckbit_gemm wgmma-ws")) return;
+    const int n_tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS), tiles = n_tiles * ceil_div(p.M, Cfg::TOK);
+    const int tail = k_splits > 1 ? 0 : ws_tail_tiles(tiles, p.k_steps, sm_count);
+    p.ws_tail_from = tiles - tail;
+    p.ws_multicast = k_splits == 1 && tail % 2 == 0 && n_tiles % 2 == 0 &&
+                     ws_multicast_fits(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::WS_THREADS, Cfg::SMEM_BYTES);
+    CUtensorMap map;
+    if (!make_token_map(&map, p.A, p.M, p.K_dim, p.lda, p.ws_multicast ? Cfg::TOK / 2 : Cfg::TOK)) {
+        set_error("ckbit_gemm", "cuTensorMapEncodeTiled failed for the tokens");
+        return;
     }
+    const dim3 grid(tiles + tail, k_splits);
+    if (p.ws_multicast) {
+        cudaLaunchAttribute attr;
+        cudaLaunchConfig_t cfg = split_cluster_launch(grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream, attr);
+        attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1;
+        cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_ws_kernel<Cfg, T>, p, map);
+    } else {
+        kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(p, map);
+    }
+    check_launch("ckbit_gemm wgmma-ws");
 }
 
 template <int K_BITS, typename T, bool ABS_U8>
@@ -822,7 +755,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
             return;
         }
         d.config = config_override;
-        d.k_splits = d.config == WS_CONFIG ? ws_splits(M, N, K_dim, K_BITS, sm_count)
+        d.k_splits = d.config == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count)
                                            : choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
@@ -830,14 +763,13 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     if (d.config == WS_CONFIG) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
-        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, K_BITS, d.k_splits, sm_count) > workspace_bytes) d.k_splits--;
-        const size_t need = ws_workspace_bytes(M, N, K_dim, K_BITS, 1, sm_count);
+        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, d.k_splits, sm_count) > workspace_bytes) d.k_splits--;
+        const size_t need = ws_workspace_bytes(M, N, K_dim, 1, sm_count);
         const bool a_tma_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
-        // no room for the permuted tokens or a split last wave (a workspace grown before, under capture), or (the
-        // weight-transposing kernel) an A the tensor map cannot read directly (the op copies such views to contiguous
-        // first): config 6
+        // no room for a split last wave (a workspace grown before, under capture), or an A the tensor map cannot read
+        // (the op copies such views to contiguous first): config 6
         const bool no_room = need > 0 && (workspace == nullptr || workspace_bytes < need);
-        if (no_room || (!ws_permuted_tokens(K_BITS, N) && !a_tma_ok)) {
+        if (no_room || !a_tma_ok) {
             d.config = FIRST_WGMMA_CONFIG;
             d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
         }
@@ -869,15 +801,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         p.partials = nullptr;
     }
     if (d.config == WS_CONFIG) {
-        if constexpr (K_BITS == 5) { // both kernels, by N
-            if (ws_permuted_tokens(K_BITS, N)) {
-                launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8, false>, T>(p, d.k_splits, workspace, workspace_bytes,
-                                                                       sm_count, stream);
-                return;
-            }
-        }
-        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8, true>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count,
-                                                               stream);
+        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count, stream);
         return;
     }
     switch (d.config) {
@@ -903,10 +827,10 @@ static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count)
         const size_t b = workspace_bytes_for(config_info(c), M, N, choose_splits(config_info(c), M, N, K_dim, sm_count));
         if (b > worst) worst = b;
     }
-    // config 7's partial tiles and (k = 5) permuted tokens, sized for every k: a cached workspace then never grows
-    // between calls of different k (a CUDA graph captured with it keeps its address)
-    for (int kb = 2; kb <= 5 && wgmma_available(); kb++) {
-        const size_t ws = ws_workspace_bytes(M, N, K_dim, kb, ws_splits(M, N, K_dim, kb, sm_count), sm_count);
+    // config 7's partial tiles (the same for every k: a cached workspace then never grows between calls of
+    // different k, and a CUDA graph captured with it keeps its address)
+    if (wgmma_available()) {
+        const size_t ws = ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count), sm_count);
         if (ws > worst) worst = ws;
     }
     (void)k_bits;

@@ -41,10 +41,16 @@
 //    A-operand (weights) a0..a3 = half2 at (row g, slots 2t,2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)
 //    B-operand (acts)    b0, b1 = half2 at (slots 2t,2t+1 ; token g), (slots 2t+8,2t+9 ; token g)
 //    D                   d0..d3 = (n g, tok 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
-//    The contraction order is free, so slots are permuted within each 32-block: k16 step s of a
-//    block maps slots {2t,2t+1} -> real k 8t+4s+{0,1} and {2t+8,2t+9} -> 8t+4s+{2,3}. A lane thus
-//    needs real k 8t..8t+7 of a block: ONE 16-byte load of A per (token, block), and the weight
-//    elements it dequantizes are 4 "pairs" (k 8t+2p, 8t+2p+1), p = 0..3, of rows g and g+8.
+//    Slot = real k: a lane dequantizes, of each block, the 4 "pairs" (k 8p+2t, 8p+2t+1), p = 0..3 (k16 step
+//    p / 2, slots 2t + 8 (p % 2)), of rows g and g+8, and needs the same k of its token g: its B fragments
+//    of a block are the four 8 x 8 matrices (8 tokens x k 8j..8j+7) that one ldmatrix.x4 reads from a token
+//    tile in shared memory (row-major, a row of 16-byte chunks per token). The tiled layout used to permute
+//    k inside each block instead (lane t: real k 8t..8t+7, one 16-byte load of A per token and block), so
+//    that the wgmma configs, whose tensor core reads the tokens from shared memory in real k order, had to
+//    transpose the weight fields among lanes or permute the tokens first (config 7, ~3% of a call at k = 4,
+//    5-8% at k = 5). ldmatrix costs the mma.sync configs nothing: H100, us, timing-only build, LDS.128 ->
+//    ldmatrix (rows padded by 16 bytes instead of 64), M = 16, k = 2 / 3 / 4: 14336 x 4096 14.7 / 16.8 / 17.9 ->
+//    14.4 / 16.5 / 17.6, 4096 x 14336 15.2 / 17.3 / 18.4 -> 14.7 / 16.8 / 17.9; M = 1 and 32 within 0.1-0.3.
 //    Dequant of a pair: e = LUT index (2*K_BITS bits), one LDS.32 of a half2 {cb[i0]*F, cb[i1]*F}
 //    from a LUT duplicated LUT_COPIES times (copy = lane % LUT_COPIES: bank-conflict free for 32
 //    copies; k = 5 has 1024 entries: 4 copies in configs 0-1, 8 in the shared-A configs with smem weight
@@ -82,9 +88,11 @@
 //    weight words and absmax it will itself read into its warp's private ring (depth chosen at
 //    launch, 2..6 stages, from the smem left after the LUT), so cp.async.wait_group alone orders it.
 //    stages-1 k-steps are in flight while one is dequantized. MB = 1: the A rows of the k-step travel
-//    in the same ring stage (each lane copies the 16-byte pieces it reads; k >= K_dim zero-filled);
-//    MB >= 2: A is loaded into registers one k-step ahead (L1 shared by the WARPS_N warps).
-//    Shared-A configs: ONE A ring per CTA ([8*MB tokens][128 k], rows padded to 320 B so the LDS.128
+//    in the same ring stage (lane (g, t) copies 16-byte chunk t of each block of token g, chunks swizzled
+//    so ldmatrix is conflict-free, __syncwarp before the reads; k >= K_dim zero-filled);
+//    MB >= 2: A is loaded into registers one k-step ahead (L1 shared by the WARPS_N warps; four 4-byte loads
+//    per token and block, the words of the lane's pairs).
+//    Shared-A configs: ONE A ring per CTA ([8*MB tokens][128 k], rows padded by 16 B so the ldmatrix
 //    fragment reads are conflict-free), one __syncthreads per k-step (wait step i, barrier, refill the
 //    slot of step i-1, compute step i; per 2 k-steps with register weights, below); 2-4 stages in
 //    112 KB (MB 1-4, two CTAs per SM) or 226 KB (MB 8).
@@ -198,7 +206,7 @@
 //    short scoreboard, MIO, math pipe, barrier), the copy alone at 63-73% of DRAM bandwidth, and they
 //    only partly overlap. Shared memory per warp and k-step: 8 KB of LUT reads, ~2 KB of weight ring
 //    writes + reads each, A fragments: ~1800 of the ~2300 cycles per k-step (both CTAs) at 128 B/clk.
-//    Reading A rows < M only (lanes of rows >= M share the last row, so the LDS.128 broadcasts) took
+//    Reading A rows < M only (lanes of rows >= M share the last row, so the fragment read broadcasts) took
 //    k = 2 M=1 47.9 -> 44.7 us and k = 4 57.3 -> 54.5.
 //    Weights in registers (section 4), H100, us, smem ring -> registers, each pair from one call:
 //      M = 1 (3 k-steps deep), 28672 x 8192: k = 2 44.4 -> 38.5, k = 3 60.9 -> 55.7, k = 4 56.5 -> 51.6,
@@ -238,15 +246,11 @@ static_assert(UNIT_K % BLOCK_ELEMS == 0, "a unit must hold whole quantization bl
 
 // Per k-bit width: how a lane's 2*K_BITS words per unit hold its 32 pair fields.
 //   pair q = 4*u + j, u = 2*blk + s (MMA k16 step), j = MMA register (0: row g, pair 2s; 1: row g+8,
-//   pair 2s; 2: row g, pair 2s+1; 3: row g+8, pair 2s+1). A pair = elements (8t+2p, 8t+2p+1).
-//   The pair's field is its LUT index e (FIELD_BITS = 2 K_BITS bits) at bits [slot FIELD_BITS, + FIELD_BITS)
-//   of the lane's words read as one 64 K_BITS-bit little-endian stream (word w = stream bits 32w..32w+31),
-//   slot = field_slot(q); for k = 3, 5 a field may straddle two words (one funnel shift reads it).
-//   Even k: slot = q. Odd k: slot = 16 c + 8 d + 2 blk + row for the pair p = 2c + d of row g + 8 row and block
-//   blk, i.e. the lane's stream is two halves (c; K_BITS words each) of two subs (d; 2 K_BITS bytes each) of the
-//   4 blocks' items (the fields of rows g, g + 8 of one pair): the unit the in-kernel weight transpose of config 7
-//   moves between lanes (kbit_gemm_wgmma_ws.cuh section 8). Which slot holds which pair costs the other configs
-//   nothing: the set of field positions, and so the shifts per field, is the same. Every k thus needs one shift + one
+//   pair 2s; 2: row g, pair 2s+1; 3: row g+8, pair 2s+1). A pair = elements (8p+2t, 8p+2t+1) of its block: the
+//   k the MMA register fragment puts there (section 3), so every config reads the tokens in their own order.
+//   The pair's field is its LUT index e (FIELD_BITS = 2 K_BITS bits) at bits [q FIELD_BITS, + FIELD_BITS)
+//   of the lane's words read as one 64 K_BITS-bit little-endian stream (word w = stream bits 32w..32w+31);
+//   for k = 3, 5 a field may straddle two words (one funnel shift reads it). Every k thus needs one shift + one
 //   LOP3 per LUT address; the former odd-k split (a low-bits field + a 2-bit top-bits field in other words) needed
 //   two of each: H100 M = 1 k = 3, us, 14336 x 4096 18.1 -> 14.8, 28672 x 8192 55.3 -> 44.0 (docs/kernel.md).
 //   e = lo | hi << LO_FIELD_BITS: lo = the LO_BITS_PER_ELEM low index bits of elem0, then of elem1; hi
@@ -268,13 +272,6 @@ template <int K_BITS> struct TiledFormat {
     static constexpr int HAS_V2 = (LANE_WORDS % 4) != 0;
     static_assert(LANE_WORDS % 2 == 0, "tail chunk is one uint2");
     static constexpr bool QUAD = K_BITS == 2;
-    // stream slot of pair field q = 8 blk + 2 p + row (see above), and back
-    static constexpr __host__ __device__ int field_slot(int q) {
-        return K_BITS % 2 == 0 ? q : 16 * ((q >> 2) & 1) + 8 * ((q >> 1) & 1) + 2 * (q >> 3) + (q & 1);
-    }
-    static constexpr __host__ __device__ int slot_field(int slot) {
-        return K_BITS % 2 == 0 ? slot : 8 * ((slot >> 1) & 3) + 4 * (slot >> 4) + 2 * ((slot >> 3) & 1) + (slot & 1);
-    }
 };
 
 // word offset inside a unit of lane word lw of lane `lane`
@@ -324,7 +321,8 @@ struct KbitGemmConfig {
     // per-warp ring stage: [Fmt::LANE_WORDS x 32 lanes] words per unit, then absmax
     static constexpr int STAGE_W_WORDS = MT * Fmt::UNIT_WORDS;
     static constexpr int STAGE_ABS_WORDS = MT * 32 * ABS_BYTES_PER_LANE / 4;
-    // A of one k-step: [UNIT_BLOCKS][a_rows][4 lanes t][16 bytes]; a_rows = min(M, TILE_M) at run time.
+    // A of one k-step: [UNIT_BLOCKS][a_rows][4 chunks][16 bytes], chunk c of row r at c ^ a_chunk_swizzle(r);
+    // a_rows = min(M, TILE_M) at run time.
     // Only for one token tile (MB = 1): wider tiles keep A in registers one k-step ahead, because
     // per-warp copies of 16+ rows cost the smem of a second CTA per SM (H200, N=14336 K=4096 M=16
     // k=4: A in ring 40.9 us, A in registers 25.7 us).
@@ -551,7 +549,7 @@ template <int K_BITS>
 __host__ __device__ inline void tiled_bit_source(int lane, int lw, int bit, int& row, int& kk, int& ibit) {
     using F = TiledFormat<K_BITS>;
     const int pos = 32 * lw + bit; // in the lane's bit stream
-    const int q = F::slot_field(pos / F::FIELD_BITS), x = pos % F::FIELD_BITS;
+    const int q = pos / F::FIELD_BITS, x = pos % F::FIELD_BITS;
     int elem;
     if (x < F::LO_FIELD_BITS) {
         elem = x / F::LO_BITS_PER_ELEM;
@@ -565,7 +563,7 @@ __host__ __device__ inline void tiled_bit_source(int lane, int lw, int bit, int&
     const int half = j & 1, pair = 2 * s + (j >> 1);
     const int g = lane / 4, t = lane % 4;
     row = g + 8 * half;
-    kk = blk * BLOCK_ELEMS + 8 * t + 2 * pair + elem;
+    kk = blk * BLOCK_ELEMS + 8 * pair + 2 * t + elem;
 }
 
 template <int K_BITS>
@@ -767,8 +765,12 @@ __device__ __forceinline__ void load_stage_async(uint32_t s_stage, const StreamC
     }
 }
 
-// A of one k-step into the stage (MB == 1): lane (g, t) copies exactly the 16-byte pieces it will read
-// itself (row g, k 8t..8t+7 of each block), so no barrier is needed. k >= K_dim is zero-filled (padded
+// Per-warp A slot (configs 0, MB == 1): chunk c (k 8c..8c+7) of token row r of a block sits at chunk c ^ this, so
+// the 8 rows of an ldmatrix phase (64 bytes apart) read distinct banks
+__device__ __forceinline__ int a_chunk_swizzle(int row) { return (row >> 1) & 3; }
+
+// A of one k-step into the stage (MB == 1): lane (g, t) copies chunk t (k 8t..8t+7) of each block of token row g;
+// the warp reads them with ldmatrix after a __syncwarp (load_b_fragments). k >= K_dim is zero-filled (padded
 // weights are 0 and 0 * garbage could be NaN); rows >= M are skipped: they only feed unstored columns.
 template <class Cfg>
 __device__ __forceinline__ void load_a_async(uint32_t s_a, const StreamCursor<Cfg>& cur, const KbitGemmParams& p,
@@ -776,26 +778,27 @@ __device__ __forceinline__ void load_a_async(uint32_t s_a, const StreamCursor<Cf
     static_assert(Cfg::MB == 1, "the ring holds A only for one token tile");
     if (!cur.a_row_ok) return;
     const int g = lane / 4, t = lane % 4;
+    const uint32_t s_row = s_a + (g * 4 + (t ^ a_chunk_swizzle(g))) * 16;
     if (p.a_vec_ok && cur.k_a + (UNIT_K - 8 * t) <= p.K_dim) { // whole k-step inside K_dim (all but maybe the last)
-        const uint32_t s_row = s_a + (g * 4 + t) * 16;
 #pragma unroll
         for (int blk = 0; blk < UNIT_BLOCKS; blk++) cp_async_16(s_row + blk * p.a_rows * 64, cur.g_a + blk * BLOCK_ELEMS);
         return;
     }
 #pragma unroll
     for (int blk = 0; blk < UNIT_BLOCKS; blk++) {
-        const uint32_t s_dst = s_a + ((blk * p.a_rows + g) * 4 + t) * 16;
+        const uint32_t s_dst = s_row + blk * p.a_rows * 64;
         const bool in_k = cur.k_a + blk * BLOCK_ELEMS < p.K_dim;
         const unsigned short* src = in_k ? cur.g_a + blk * BLOCK_ELEMS : cur.g_a;
         if (p.a_vec_ok) {
             cp_async_16_zfill(s_dst, src, in_k ? 16u : 0u);
-        } else { // A misaligned: 16-bit loads, then a plain store read back by this lane
+        } else { // A misaligned: 16-bit loads, then a plain store (ordered for the warp by the same __syncwarp)
             sts128(s_dst, in_k ? ldg_a_unaligned(src) : make_uint4(0, 0, 0, 0));
         }
     }
 }
 
-// A_IN_RING == false: A fragments of one k-step straight into registers (L1 shared by the warps)
+// A_IN_RING == false: A fragments of one k-step straight into registers (L1 shared by the warps): of each block,
+// the words at k 8j + 2t (j = 0..3) of token g, as ldmatrix_b_frags would give them
 template <class Cfg>
 __device__ __forceinline__ void load_a_registers(uint4 (&r_a)[UNIT_BLOCKS][Cfg::MB], const KbitGemmParams& p,
                                                  int m_base, int kstep, int lane) {
@@ -806,28 +809,38 @@ __device__ __forceinline__ void load_a_registers(uint4 (&r_a)[UNIT_BLOCKS][Cfg::
         const int m = m_base + mb * 8 + g;
 #pragma unroll
         for (int blk = 0; blk < UNIT_BLOCKS; blk++) {
-            const int k = kstep * UNIT_K + blk * BLOCK_ELEMS + 8 * t;
-            uint4 v = make_uint4(0, 0, 0, 0);
+            const int k = kstep * UNIT_K + blk * BLOCK_ELEMS;
+            uint32_t w[4] = {0, 0, 0, 0};
             if (m < p.M && k < p.K_dim) {
-                const unsigned short* src = g_A + (long long)m * p.lda + k;
-                v = p.a_vec_ok ? __ldg(reinterpret_cast<const uint4*>(src)) : ldg_a_unaligned(src);
+                const unsigned short* src = g_A + (long long)m * p.lda + k + 2 * t;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    w[j] = p.a_word_ok ? __ldg(reinterpret_cast<const uint32_t*>(src + 8 * j))
+                                       : (uint32_t)__ldg(src + 8 * j) | ((uint32_t)__ldg(src + 8 * j + 1) << 16);
             }
-            r_a[blk][mb] = v;
+            r_a[blk][mb] = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
+}
+
+// The B fragments of one block for 8 tokens: the four 8 x 8 matrices (tokens x k 8j..8j+7, j = 0..3) whose row
+// addresses lanes 8j..8j+7 give. Lane (g, t) gets token g, k 8j + 2t, +1 in register j: b0, b1 of k16 step 0, then
+// of step 1 (section 3). PTX ISA 9.7.14.5.15 (ldmatrix)
+__device__ __forceinline__ void ldmatrix_b_frags(uint4& r, uint32_t s_row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "r"(s_row_addr));
 }
 
 // B-operand (activation) fragments of one block from the stage: b0,b1 of k16 step 0 = .x,.y, step 1 = .z,.w
 template <class Cfg>
 __device__ __forceinline__ void load_b_fragments(uint4 (&r_a)[Cfg::MB], uint32_t s_a, int a_rows, int blk, int lane) {
-    const int g = lane / 4, t = lane % 4;
+    const int chunk = lane / 8;
 #pragma unroll
     for (int mb = 0; mb < Cfg::MB; mb++) {
         // rows >= a_rows only feed unstored columns: read a valid row instead of out of range
-        const int row = min(mb * 8 + g, a_rows - 1);
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r_a[mb].x), "=r"(r_a[mb].y), "=r"(r_a[mb].z), "=r"(r_a[mb].w)
-                     : "r"(s_a + ((blk * a_rows + row) * 4 + t) * 16));
+        const int row = min(mb * 8 + lane % 8, a_rows - 1);
+        ldmatrix_b_frags(r_a[mb], s_a + ((blk * a_rows + row) * 4 + (chunk ^ a_chunk_swizzle(row))) * 16);
     }
 }
 
@@ -912,7 +925,7 @@ __device__ __forceinline__ uint32_t scale_pair(const uint32_t (&r_abs)[Cfg::ABS_
 template <class Cfg, int Q> __device__ __forceinline__ uint32_t lut_addr(const uint32_t* r_w, uint32_t lane_off) {
     using F = typename Cfg::Fmt;
     constexpr int LS = Cfg::LUT_STRIDE_LOG2;
-    constexpr int POS = F::field_slot(Q) * F::FIELD_BITS;
+    constexpr int POS = Q * F::FIELD_BITS;
     constexpr int W = POS / 32, B = POS % 32; // field bit 0 = bit B of word W
     constexpr uint32_t MASK = ((1u << F::FIELD_BITS) - 1) << LS;
     uint32_t x;
@@ -1202,6 +1215,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
     uint32_t s_st_comp = s_ring;                                   // ring slot of step i
     const uint32_t s_ring_end = s_ring + 4 * stages * stage_words;
     for (int i = 0; i < n_steps; i++) {
+        if constexpr (Cfg::A_IN_RING) __syncwarp(); // every lane's reads of the slot refilled next are done
         if (i + stages - 1 < n_steps) {
             load_stage_async<Cfg>(s_st_load, cur, lane);
             if constexpr (Cfg::A_IN_RING) load_a_async<Cfg>(s_st_load + A_OFF_BYTES, cur, p, lane);
@@ -1213,6 +1227,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
         uint4 r_a_next[UNIT_BLOCKS][Cfg::MB];
         if (!Cfg::A_IN_RING && i + 1 < n_steps) load_a_registers<Cfg>(r_a_next, p, m_base, k_begin + i + 1, lane);
         cp_async_wait_dyn(stages - 1); // this lane's copies of step i have landed
+        if constexpr (Cfg::A_IN_RING) __syncwarp(); // ... and the other lanes' A chunks, which ldmatrix reads
         compute_stage<Cfg, T>(acc, s_st_comp, s_lut, lane_off, p.a_rows, r_a, lane);
         s_st_comp += 4 * stage_words;
         if (s_st_comp == s_ring_end) s_st_comp = s_ring;
@@ -1241,7 +1256,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 // ---------------------------------------------------------------------------------------------
 // Shared-A path: the same per-warp weight stream and LUT dequant, but the A tile of each k-step is
 // staged ONCE per CTA in a shared cp.async ring (all 8 warps, along n, use the same k-step, so the CTA
-// is synchronized once per k-step) and read with LDS.128 (rows padded to 320 bytes: conflict-free).
+// is synchronized once per k-step) and read with ldmatrix (rows padded by 16 bytes: conflict-free).
 // MB = 8 ("wide", TILE_M = 64, 226 KB: one CTA per SM, sm_90) serves M > 32; MB = 1, 2, 4 (TILE_M =
 // 8, 16, 32, 112 KB: two CTAs per SM) serve M <= 32 on all but small weights (and MB = 2 small
 // weights up to M = 128). Each dequantized fragment feeds MB MMAs. Split-K up to M = 256, through the
@@ -1283,7 +1298,8 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
     // With WARPS_K > 1 the CTA's k-steps are cut into WARPS_K contiguous chunks (one per warp along k, so each warp
     // streams its weight rows in order); a "CTA step" is step i of every chunk: an A slot holds WARPS_K k-steps
     static constexpr int A_STEP_K = UNIT_K * WARPS_K_;
-    static constexpr int A_ROW_BYTES = 2 * A_STEP_K + 64; // + 64 pad: 8 rows of a phase hit distinct banks
+    // + 16 bytes: the 8 rows of an ldmatrix phase (16 bytes each, an odd number of chunks apart) hit distinct banks
+    static constexpr int A_ROW_BYTES = 2 * A_STEP_K + 16;
     static constexpr int A_STAGE_WORDS = Base::TILE_M * A_ROW_BYTES / 4;
     static constexpr int W_STAGE_WORDS = Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS; // per warp
     // W_REG_STAGES > 0: the weights skip shared memory; each lane loads its own words (ld.global.nc) into a
@@ -1371,8 +1387,8 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
 
 // dequant + MMA of one k-step: this lane's weight words and absmax of its MT units (from the smem ring or
 // the register ring), A from the shared slot s_a.
-// a_off[mb]: this lane's byte offset of its B fragment row (token mb*8 + g, clamped to the tile's last row
-// < M: rows past M are not copied; at M < 8 the lanes then share rows and the LDS.128 broadcasts)
+// a_off[mb]: this lane's ldmatrix row address (token mb*8 + lane % 8, clamped to the tile's last row < M: rows
+// past M are not copied; at M < 8 the lanes then share rows and the read broadcasts; chunk lane / 8 of a block)
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg::MB][4],
                                                        const uint32_t (&r_w)[Cfg::MT][Cfg::Fmt::LANE_WORDS],
@@ -1382,10 +1398,7 @@ __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg
 #define KBIT_SHARED_A_BLOCK(BLK)                                                                                    \
     {                                                                                                           \
         uint4 r_b[Cfg::MB];                                                                                     \
-        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) asm volatile(                                    \
-            "ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"                                                           \
-            : "=r"(r_b[mb].x), "=r"(r_b[mb].y), "=r"(r_b[mb].z), "=r"(r_b[mb].w)                                \
-            : "r"(s_a + a_off[mb] + (BLK) * 64));                                                               \
+        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) ldmatrix_b_frags(r_b[mb], s_a + a_off[mb] + (BLK) * 64); \
         _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++)                                                  \
             block_mma<Cfg, T, BLK>(acc[mt], r_w[mt], r_abs[mt], r_b, s_lut, lane_off);                          \
     }
@@ -1409,9 +1422,7 @@ __device__ __forceinline__ void compute_units_block_columns(float (&acc)[Cfg::MT
 #define KBIT_BLOCK_COLUMN(BLK)                                                                                      \
     {                                                                                                           \
         uint4 r_b;                                                                                              \
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"                                                  \
-                     : "=r"(r_b.x), "=r"(r_b.y), "=r"(r_b.z), "=r"(r_b.w)                                       \
-                     : "r"(s_a + a_off + (BLK) * 64));                                                          \
+        ldmatrix_b_frags(r_b, s_a + a_off + (BLK) * 64);                                                        \
         _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++) {                                                \
             uint32_t frag0[4], frag1[4];                                                                        \
             lookup_frag_a<Cfg, 2 * (BLK)>(frag0, r_w[mt], s_lut, lane_off);                                     \
@@ -1703,8 +1714,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     const int a_last_row = min(p.M - m_base, Cfg::TILE_M) - 1;
 #pragma unroll
     for (int mb = 0; mb < Cfg::MB; mb++)
-        a_off[mb] = (Cfg::BLOCK_COLUMNS ? lane / 4 : min(mb * 8 + lane / 4, a_last_row)) * Cfg::A_ROW_BYTES +
-                    wk * 2 * UNIT_K + (lane % 4) * 16;
+        a_off[mb] = (Cfg::BLOCK_COLUMNS ? lane % 8 : min(mb * 8 + lane % 8, a_last_row)) * Cfg::A_ROW_BYTES +
+                    wk * 2 * UNIT_K + (lane / 8) * 16;
 
     float acc[Cfg::MT][Cfg::MB][4];
     zero_acc<Cfg>(acc);

@@ -32,12 +32,11 @@
 //
 // 3. Token tile in shared memory: per k-step [2 halves: k 0..63, 64..127][TOK rows][128 B], 128-byte
 //    swizzle (16-byte chunk c of row r at chunk c ^ (r % 8); atoms 1024-aligned), K-major, one
-//    descriptor per k16 step (start + 32 B within the row, SBO = 1024). The tiled weight permutes k
-//    inside each 32-block (kbit_gemm.cuh section 3: slot 2t+e of k16 step s holds real k 8t+4s+e, slot
-//    2t+8+e holds 8t+4s+2+e), so the token rows are stored permuted the same way: chunk (s, h) of a
-//    block holds word 2s+h of each of its 4 real-k chunks t = 0..3 (k 8t..8t+7), a permutation of
-//    32-bit words, so the tokens travel by 4-byte cp.async straight into the ring (8 per thread and
-//    k-step), W_STAGES - 1 k-steps ahead in the same commit groups as the weights. The ring has
+//    descriptor per k16 step (start + 32 B within the row, SBO = 1024). The tiled weight holds each lane's
+//    pairs at the k its register fragment slots stand for (kbit_gemm.cuh section 3), so the token rows are
+//    stored in their own k order. The tokens travel by 4-byte cp.async straight into the ring (8 per thread and
+//    k-step; written when the tiled weight still permuted k inside each block and the tokens had to follow,
+//    word by word), W_STAGES - 1 k-steps ahead in the same commit groups as the weights. The ring has
 //    W_STAGES + 1 slots: the wgmmas of step i-1 may still read theirs while step i + W_STAGES - 1 lands.
 //
 // 4. Synchronisation per k-step i: cp.async.wait (this thread's weights and tokens of step i),
@@ -249,8 +248,8 @@ KBIT_WGMMA_RS_SPEC(__nv_bfloat16, "bf16", 128)
 #undef KBIT_ACC8
 
 // ---------------------------------------------------------------------------------------------
-// Token tile: global -> permuted, swizzled shared stage, 4-byte cp.async (the permutation moves 32-bit
-// words, section 3). Thread x copies word wd = x % 64 (real k 2 wd, 2 wd + 1 of the k-step) of token
+// Token tile: global -> swizzled shared stage, 4-byte cp.async (section 3). Thread x copies word wd = x % 64
+// (k 2 wd, 2 wd + 1 of the k-step) of token
 // rows x / 64 + j * TOK_ROW_STEP: consecutive threads read consecutive words of a row, and the 32 words a
 // warp writes land in 32 different banks (8 swizzled chunks x 4 words of one 128-byte row).
 // ---------------------------------------------------------------------------------------------
@@ -269,7 +268,7 @@ template <class Cfg> struct TokenCursor {
 
     __device__ __forceinline__ void init(const KbitGemmParams& p, int m_base, int kstep) {
         const int wd = threadIdx.x % 64, row0 = threadIdx.x / 64;
-        const int blk = wd / 16, t = (wd / 4) % 4, w = wd % 4; // chunk (s, h) = w of block blk, word t of it
+        const int blk = wd / 16, c = (wd / 4) % 4, w = wd % 4; // word w of 16-byte chunk c of block blk
         off = ((uint32_t)(m_base + row0) * (uint32_t)p.lda + (uint32_t)(kstep * UNIT_K + 2 * wd)) * 2u;
         row_step = (uint32_t)(Cfg::TOK_ROW_STEP * p.lda) * 2u;
         rows_ok = 0;
@@ -277,7 +276,7 @@ template <class Cfg> struct TokenCursor {
         for (int j = 0; j < Cfg::TOK / Cfg::TOK_ROW_STEP; j++)
             rows_ok |= (m_base + row0 + j * Cfg::TOK_ROW_STEP < p.M ? 1u : 0u) << j;
         k_blk = kstep * UNIT_K + blk * BLOCK_ELEMS;
-        s_off = (blk / 2) * Cfg::A_HALF_BYTES + swizzle128(row0, (blk % 2) * 4 + w) + 4 * t;
+        s_off = (blk / 2) * Cfg::A_HALF_BYTES + swizzle128(row0, (blk % 2) * 4 + c) + 4 * w;
     }
     __device__ __forceinline__ void advance() {
         off += UNIT_K * 2;
@@ -369,7 +368,7 @@ __device__ __forceinline__ void block_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], u
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++)
 #pragma unroll
-        for (int s = 0; s < 2; s++) // k16 step u = 2 BLK + s: bytes 32 u .. 32 u + 31 of the permuted row
+        for (int s = 0; s < 2; s++) // k16 step u = 2 BLK + s: bytes 32 u .. 32 u + 31 of the token row
             WgmmaRS<T, Cfg::TOK>::run(reinterpret_cast<float(&)[Cfg::TOK / 2]>(acc[mt]), frag[F][mt][s],
                                       smem_desc_sw128(s_tok + (BLK / 2) * Cfg::A_HALF_BYTES + ((BLK % 2) * 2 + s) * 32));
     wgmma_commit();

@@ -16,17 +16,8 @@
 //      - 8 CONSUMER warps (2 warpgroups) only wait on "full", dequantize (the pair/quad LUT of
 //        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
 //        in the main loop.
-//    The TMA cannot permute 4-byte words, and the tiled weight permutes k inside each 32-block (kbit_gemm.cuh section
-//    3). For k = 2..4 (and k = 5 where N <= 4096) two more warps of the producer warpgroup undo that on the weight side
-//    instead: they transpose each unit's fields among the lanes of a quad in shared memory (section 8), so the TMA
-//    reads A itself and a call is one kernel. For k = 5 on wider weights (where that transpose measured slower, section
-//    8) the tokens are first copied once into a permuted buffer A' (the workspace, at most WS_TOKEN_BYTES: M is cut
-//    into chunks of whole 256-token tiles) by kbit_permute_tokens_kernel: new word 4w + t of a block = old word 4t + w
-//    (a 4 x 4 transpose of 32-bit words). That copy is one read and one write of A. A thread per block (four 16-byte
-//    loads and stores 64 bytes apart per lane) ran it at ~2 TB/s; a lane quad per block (16-byte chunks, 512 contiguous
-//    bytes per warp instruction, the transpose by shuffles) at ~3 TB/s: H100, M = 1024, us (torch.profiler,
-//    dev/probe_kernel_split.py), K = 8192 16.7 -> 10.5, K = 4096 9.1 -> 6.8, K = 28672 53.5 -> 36.9, next to GEMM
-//    kernels of 181, 173 and 616; the call on 8192 x 8192, two rounds: 202.0 / 201.3 -> 194.0 / 193.7 (cuBLAS 181-182).
+//    The tiled weight holds each lane's pairs at the k its wgmma register fragment slots stand for (kbit_gemm.cuh
+//    section 3), so the TMA reads A itself and a call is one kernel (section 8: how it was before).
 //
 // 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens.
 //          tokens m:  0 ............................ 255
@@ -45,10 +36,10 @@
 //    __syncthreads: the producer warps have returned). H100, k = 4, 8192 x 28672 M = 256: 322.5 us in config 6,
 //    187.7 in config 7 with 2 splits (cuBLAS fp16 183.7).
 //
-// 3. Shared memory (one CTA per SM): the LUT (32 KB; 64 KB for the weight-transposing k = 5 kernel), TOK_STAGES
+// 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES
 //    token half-steps (k 64 wide, 32 KB each, 1024-aligned for the swizzle; after the main loop they hold the output
-//    tile, section 9), W_STAGES weight k-steps (8 units' words + absmax, as stored in global; 3 for that k = 5
-//    kernel, else 4), and 2 mbarriers per token slot, 3 per weight slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
+//    tile, section 9), W_STAGES = 4 weight k-steps (8 units' words + absmax, as stored in global), and 2 mbarriers per
+//    slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
 //    token producer token slots (2i, 2i + 1) % TOK_STAGES.
 //
 // 4. Consumer loop per k-step: wait w_full, load this warp's unit (LDS) and release the weight slot
@@ -120,38 +111,21 @@
 //    369.6 / 374.7 / 392.2 / 392.4 -> 357.0 / 373.5 / 386.6 / 386.4 (dev/probe_paths.py, two processes each, k = 4 / 5:
 //    28672 x 8192 M = 512 382.6 / 388.3, 389.9 / 392.3 -> 375.4 / 371.9, 381.0 / 376.9).
 //
-// 8. The weights transposed in the kernel, the tokens not permuted (k = 2..4; k = 5 where N <= 4096). The weight
-//    producer's slot is read by warps 10 and 11 once its copies land: each lane loads its words of 4 units, exchanges
-//    fields with the other lanes of its quad so that lane t holds the pairs at k 2t + 8j the wgmma register fragment
-//    wants, stores them back and arrives on "w_ready", which the consumers wait on instead of "full". Even k: two
-//    shuffle rounds and byte permutes per block (QuadTransposeSel). Odd k: 6- and 10-bit fields straddle words, so the
-//    tiled layout orders a lane's fields for this exchange (TiledFormat::field_slot: halves and subs that move as
-//    whole words and halfwords) and the exchange is two shuffle rounds over the whole unit (quad_transpose_halves).
-//    H100, M = 1024, us, the permute kernel + GEMM -> GEMM alone (cuBLAS fp16):
-//      k = 4: 4096 x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3), 14336 x 4096
-//             9.2 + 190.1 -> 192.3 (164.9); k = 2: the GEMM kernel's time unchanged (157.6 -> 158.3 on 4096 x 14336);
-//      k = 3: 28.8 + 158.6 -> 158.2 (153.8), 16.8 + 187.9 -> 187.7 (178.5), 9.3 + 187.6 -> 188.5 (161.0).
-//    k = 5 keeps the permuted tokens on wide weights. At M = 1024 the shared-memory pipe is nearly full: per k-step the
-//    wgmmas read 128 KB of tokens, the TMA writes 64 KB, and the LUT reads, the transposer's loads, stores and shuffles
-//    and the consumers' unit loads come on top. k = 5 has the most of the latter (10 words per lane, a 1024-entry LUT
-//    with 4-way conflicts at its 8 copies): with the transpose its kernel took 28.6 + 159.9 -> 181.3, 16.7 + 190.1 ->
-//    213.4, 9.2 + 190.3 -> 211.5 (the loads and stores alone, KBIT_PROBE_WS_NO_TRANSPOSE_MATH: +6 us); 16 LUT copies with
-//    3 weight stages took back 9 us (172.6, 204.3, 203.5), but in the benchmark (weights rotated, two rounds) k = 5 then
-//    ran 6-14% behind k = 4 against 1-10% with the permuted tokens, and slower than them on 28672 x 8192 (853 / 859 vs
-//    800 / 789 us) and 8192 x 28672: the transpose costs ~8% of every tile, the permute a pass over A, so the transpose
-//    wins only where N is small (4096 x 14336: 176 / 190 vs 199 / 205). Both k = 5 kernels are built (KbitWsConfig's
-//    TRANSPOSE_) and the host takes the transposing one up to N = 4096 (kbit_gemm.cu, ws_permuted_tokens;
-//    dev/probe_paths.py, two rounds, us, M = 512 / 1024, permuted -> transposed: 4096 x 14336 108.0 / 191.9 -> 99.5 /
-//    174.0, 4096 x 4096 42.0 / 63.6 -> 41.5 / 57.5; 6144 x 8192 and 8192 x 8192 within +-3% either way).
-//    Measured on the way: a first odd-k version that took each block's 4 items out as numbers, exchanged them with
-//    selects and put them back (~34 instructions per block, the old field order) made the k = 3 kernel 40 us slower
-//    (231.6 vs 184.3 on 8192 x 8192); the load-compute-store order per batch of units (k = 3: 2, k = 2: 4) keeps the
-//    exchanges of a batch in flight together, and batches that spill (k = 4: 2 units) cost 3%; the four even-k units
-//    of a warp in one unrolled loop were 2.4% faster than one at a time; the async-proxy fence per transposer lane
-//    and k-step cost 1% more than one by the weight producer before it refills the slot. Copying the tokens with
-//    4-byte cp.async into the permuted layout in the kernel instead (3 producer warps, no A') was correct but 2.5x
-//    slower (470 vs 189 us on 4096 x 14336): ~4 us per k-step, the L1's outstanding requests, not the issue slots
-//    (3.5 instructions per copy), bound 16K 4-byte copies per k-step; the TMA has no such limit.
+// 8. Until the tiled weight held its pairs at the fragment's k, it permuted k inside each 32-block (lane t: k 8t..8t+7,
+//    one 16-byte load of A per token and block in the mma.sync configs), and the TMA cannot permute 4-byte words. For
+//    k = 2..4 (and k = 5 where N <= 4096) two more producer warps transposed each unit's fields among the lanes of a
+//    quad in shared memory before the consumers read it (two shuffle rounds and byte permutes per block; for odd k a
+//    field order made for the exchange); k = 5 on wider weights first copied the tokens into a permuted buffer A' with a
+//    second kernel. H100, M = 1024, us, the permute kernel + GEMM -> GEMM with the transpose (cuBLAS fp16): k = 4 4096
+//    x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3); k = 5 28.6 + 159.9 -> 181.3, 16.7 +
+//    190.1 -> 213.4 (a 1024-entry LUT and 10 words per lane through the transposer on a shared-memory pipe the wgmmas
+//    already nearly fill; 16 LUT copies with 3 weight stages: 172.6, 204.3). A timing-only build without either (the
+//    kernel as it is now, on the permuted layout) measured what the layout change gives, H100, M = 1024, us, two
+//    rounds, transpose or permute -> neither: k = 4 4096 x 14336 189.4 / 189.4 -> 183.6 / 185.7, 8192 x 8192 213.1 /
+//    216.7 -> 209.9 / 210.5, 8192 x 28672 725.4 / 725.4 -> 710.5 / 706.9; k = 5 204.6 / 198.5 -> 187.6 / 187.3, 224.2 /
+//    224.6 -> 211.0 / 213.9, 759.3 / 763.6 -> 723.7 / 720.1; k = 2, 3 and 14336 x 4096 within the spread. Copying the
+//    tokens with 4-byte cp.async into the permuted layout inside this kernel (3 producer warps) had been 2.5x slower
+//    (470 vs 189 us on 4096 x 14336): 16K 4-byte copies per k-step are bound by the L1's outstanding requests.
 //
 // 9. The output through shared memory (ws_store_tile). The mma.sync configs' store_output writes each fragment value
 //    with a 2-byte store: per warp instruction 4 token rows x 16 bytes, 1024 such stores per CTA for its 64 KB tile.
@@ -198,8 +172,6 @@
 
 namespace kbit {
 
-constexpr size_t WS_TOKEN_BYTES = 64u << 20; // k = 5: permuted-token buffer (A') per chunk of M
-
 // pipeline knobs (dev/build_variant.sh); the defaults are the measured choice
 #ifndef KBIT_WS_TOK_STAGES
 #define KBIT_WS_TOK_STAGES 4
@@ -211,29 +183,16 @@ constexpr size_t WS_TOKEN_BYTES = 64u << 20; // k = 5: permuted-token buffer (A'
 #define KBIT_WS_FRAG_SLOTS 2
 #endif
 
-#ifndef KBIT_WS_K5_LUT_COPIES
-#define KBIT_WS_K5_LUT_COPIES 16
-#endif
-#ifndef KBIT_WS_K5_W_STAGES
-#define KBIT_WS_K5_W_STAGES 3
-#endif
-
-// TRANSPOSE_: the weights transposed in the kernel (section 8) rather than the tokens permuted (section 1); k = 5 has
-// both kernels, the host picks by N (kbit_gemm.cu, ws_permuted_tokens)
-template <int K_BITS_, bool ABS_U8_, bool TRANSPOSE_ = (K_BITS_ != 5)>
+template <int K_BITS_, bool ABS_U8_>
 struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     using Base = KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true>;
     static constexpr int TOK = 256;                 // tokens per CTA tile = wgmma N
     static constexpr int CONSUMER_WARPS = 8;        // 2 warpgroups, one unit each per k-step
     static constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
-    // + a producer warpgroup (one warp of it works): 3 warpgroups let setmaxnreg move registers from the producer
+    // + a producer warpgroup (two warps of it work): 3 warpgroups let setmaxnreg move registers from the producer
     // to the consumers, whose 128 accumulators + fragments need more than the 224 a 288-thread launch allows
     // (there ptxas serialized the wgmmas, C7512)
     static constexpr int WS_THREADS = CONSUMER_THREADS + 128;
-    // warps 10, 11 transpose each weight unit's fields within lane quads (section 8), so the TMA reads A itself; or
-    // (k = 5 on a wide weight) the tokens are permuted into A' first (section 1) and those warps idle
-    static constexpr bool TRANSPOSE = TRANSPOSE_;
-    static constexpr int TRANSPOSE_WARPS = 2;
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 x 40 + 256 x 232 <= 64K
     static constexpr int HALF_K = 64;               // k of one TMA box (128 bytes: the swizzle width)
     static constexpr int TOK_HALF_BYTES = TOK * 128;
@@ -241,17 +200,9 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     static constexpr int ABS_UNIT_BYTES = UNIT_ABSMAX * (ABS_U8_ ? 1 : 2);
     static constexpr int W_STAGE_BYTES = CONSUMER_WARPS * (UNIT_BYTES + ABS_UNIT_BYTES);
     static constexpr int TOK_STAGES = KBIT_WS_TOK_STAGES;
-    // k = 5 transposed: 16 copies of the 1024-entry table (64 KB; lanes l, l + 16 share one) where the other configs
-    // have 8, so only 3 weight stages fit; the shared-memory pipe bounds that kernel (section 8). H100, M = 1024, us,
-    // 8 copies / 4 stages -> 16 / 3: 4096 x 14336 181.3 -> 172.6, 8192 x 8192 213.4 -> 204.3, 14336 x 4096 211.5 ->
-    // 203.5; 3 stages alone: no change (180.6, 213.3, 211.8)
-    static constexpr bool WIDE_K5_LUT = K_BITS_ == 5 && TRANSPOSE_;
-    static constexpr int W_STAGES = WIDE_K5_LUT ? KBIT_WS_K5_W_STAGES : KBIT_WS_W_STAGES;
-    static constexpr int LUT_COPIES = WIDE_K5_LUT ? KBIT_WS_K5_LUT_COPIES : Base::LUT_COPIES;
-    static constexpr int LUT_WORDS = Base::LUT_ENTRIES * LUT_COPIES * Base::LUT_ENTRY_BYTES / 4;
-    static constexpr int LUT_STRIDE_LOG2 = ilog2(LUT_COPIES * Base::LUT_ENTRY_BYTES);
-    static constexpr int LUT_BYTES = 4 * LUT_WORDS;
-    static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 3 * W_STAGES + 2); // + the pair reduction's two
+    static constexpr int W_STAGES = KBIT_WS_W_STAGES;
+    static constexpr int LUT_BYTES = 4 * Base::LUT_WORDS;
+    static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 2 * W_STAGES + 2); // + the pair reduction's two
     static constexpr int SMEM_BYTES = 1024 /* alignment */ + TOK_STAGES * TOK_HALF_BYTES + LUT_BYTES +
                                       W_STAGES * W_STAGE_BYTES + BAR_BYTES;
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
@@ -383,45 +334,6 @@ KBIT_WGMMA_RS256_SPEC(__nv_bfloat16, "bf16")
 #undef KBIT_ACC64
 #undef KBIT_ACC8
 
-// ---------------------------------------------------------------------------------------------
-// A -> A': the k permutation of the tiled weight applied to the tokens (section 1). Rows m0 .. m0 + rows of A into
-// rows 0 .. rows of A' ([rows][K_dim], contiguous). A lane quad per (row, 32-block): lane t loads 16-byte chunk t of
-// the block (old words 4t .. 4t + 3), the quad transposes the 4 x 4 words with 4 shuffle rounds, and lane t stores
-// new chunk t (new word 4t + u = old word 4u + t), so a warp reads and writes 512 contiguous bytes per instruction.
-// ---------------------------------------------------------------------------------------------
-__global__ void kbit_permute_tokens_kernel(const uint16_t* __restrict__ A, uint32_t* __restrict__ A_perm, int rows,
-                                           int K_dim, int lda, int vec_ok) {
-    const int blocks = K_dim / BLOCK_ELEMS;
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long q = idx >> 2;
-    const int t = (int)(idx & 3);
-    const bool live = q < (long long)rows * blocks; // whole quads; the others shuffle along and store nothing
-    const long long qc = live ? q : 0;
-    const int r = (int)(qc / blocks), b = (int)(qc % blocks);
-    const uint16_t* src = A + (long long)r * lda + b * BLOCK_ELEMS + 8 * t;
-    uint32_t x[4];
-    if (vec_ok) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
-        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; i++) x[i] = (uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 16);
-    }
-    // round i: lane t receives from lane (t + i) % 4 that lane's word t (which it sends as its word (lane - i) % 4)
-    uint32_t y[4] = {0, 0, 0, 0};
-    const int quad_base = (threadIdx.x & 31) & ~3;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int send = (t - i) & 3, from = (t + i) & 3;
-        const uint32_t v = send == 0 ? x[0] : send == 1 ? x[1] : send == 2 ? x[2] : x[3];
-        const uint32_t got = __shfl_sync(0xffffffffu, v, quad_base | from);
-#pragma unroll
-        for (int u = 0; u < 4; u++) y[u] = from == u ? got : y[u];
-    }
-    uint4* dst = reinterpret_cast<uint4*>(A_perm + ((long long)r * K_dim + b * BLOCK_ELEMS) / 2);
-    if (live) dst[t] = make_uint4(y[0], y[1], y[2], y[3]);
-}
-
 // The tile's output through shared memory (section 9), by the 256 consumer threads once every wgmma of the tile has
 // retired (the token ring, free by then, holds it): each warp's fragments with stmatrix.trans into [256 tokens][128
 // rows] of 16-bit values, 16-byte chunk c of token m's 256-byte row at chunk c ^ (m % 8) (conflict-free both ways),
@@ -486,10 +398,8 @@ template <class Cfg> struct WsSmem {
     __device__ __forceinline__ uint32_t t_empty(int s) const { return bar + 8 * (Cfg::TOK_STAGES + s); }
     __device__ __forceinline__ uint32_t w_full(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + s); }
     __device__ __forceinline__ uint32_t w_empty(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + Cfg::W_STAGES + s); }
-    // weight slot s transposed (Cfg::TRANSPOSE, section 8): what the consumers wait for instead of w_full
-    __device__ __forceinline__ uint32_t w_ready(int s) const { return bar + 8 * (2 * Cfg::TOK_STAGES + 2 * Cfg::W_STAGES + s); }
     // the split last wave's pair reduction: the partner's park is written / this CTA's park has been read
-    __device__ __forceinline__ uint32_t park_full() const { return bar + 8 * (2 * Cfg::TOK_STAGES + 3 * Cfg::W_STAGES); }
+    __device__ __forceinline__ uint32_t park_full() const { return bar + 8 * (2 * Cfg::TOK_STAGES + 2 * Cfg::W_STAGES); }
     __device__ __forceinline__ uint32_t park_read() const { return park_full() + 8; }
 };
 
@@ -552,9 +462,6 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
             mbar_arrive_expect_tx(sm.w_full(ws), Cfg::W_STAGE_BYTES);
         }
         __syncwarp();
-        // the transposer's stores into this slot (generic proxy), seen through w_empty, before the copies (async proxy);
-        // a fence per transposer lane and k-step instead cost 1% (H100, 4096 x 14336 M = 1024, k = 4)
-        if (Cfg::TRANSPOSE && lane < 16) fence_proxy_async_shared();
         if (lane < 16) bulk_copy_g2s(sm.w_slot(ws) + dst_off, g_src + (long long)i * src_step, src_step, sm.w_full(ws));
     }
 }
@@ -586,135 +493,6 @@ __device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const
             mbar_wait_cluster(sm.t_empty(h % Cfg::TOK_STAGES), (h / Cfg::TOK_STAGES) & 1);
 }
 
-// Section 8: the quad transpose (even k). Lane (g, t) of a unit holds the fields of its physical pairs 4t .. 4t + 3
-// of each block (k 8t .. 8t + 7: kbit_gemm.cuh section 3); the register A operand of wgmma wants in register slot
-// (s, hi) of lane t the pair at k 16 s + 8 hi + 2t (PTX ISA, wgmma register fragments), which with unpermuted tokens
-// is physical pair 4 (2 s + hi) + t: field slot p of lane t must hold pair t of lane p. A block's 8 fields are 4
-// items Y[p] (the fields of rows g and g + 8 of pair p, adjacent in the word stream: a byte at k = 2, a halfword at
-// k = 4), so per block this is a 4 x 4 transpose of the items over the lanes of a quad: two shuffle rounds (xor 2,
-// xor 1), each followed by byte permutes whose selectors depend only on t.
-struct QuadTransposeSel {
-    uint32_t s1, k1, s2, o0, o1; // round 1 send / keep, round 2 send, outputs (k = 4); k = 2 uses s1, s2
-};
-template <int K_BITS> __device__ __forceinline__ QuadTransposeSel quad_transpose_sel(int lane) {
-    const int t = lane % 4, a = t >> 1, b = t & 1;
-    QuadTransposeSel q{};
-    if constexpr (K_BITS == 2) { // one word per block, byte p = Y[p]
-        q.s1 = a ? 0x7632u : 0x5410u; // own bytes 2a, 2a + 1, then the partner's (lane t ^ 2)
-        for (int j = 0; j < 4; j++) { // byte j of the result = Y[t] of lane j
-            const int x = j ^ t;
-            q.s2 |= (uint32_t)(x == 0 ? b : x == 2 ? 2 + b : x == 1 ? 4 + b : 6 + b) << (4 * j);
-        }
-    } else { // two words per block, halfword p % 2 of word p / 2 = Y[p]
-        q.s1 = a ? 0x3210u : 0x7654u; // send the word of the other two lanes' items
-        q.k1 = a ? 0x7654u : 0x3210u;
-        q.s2 = b ? 0x5410u : 0x7632u; // send halfword 1 - b of the kept and the received word
-        for (int j = 0; j < 4; j++) {
-            const int x = j ^ t;
-            const uint32_t sel = x == 0 || x == 2 ? (uint32_t)(2 * b) | (uint32_t)(2 * b + 1) << 4  // own / received word
-                                                  : x == 1 ? 0x54u : 0x76u;                      // round 2's word
-            if (j < 2) q.o0 |= sel << (8 * j);
-            else q.o1 |= sel << (8 * (j - 2));
-        }
-    }
-    return q;
-}
-template <int K_BITS>
-__device__ __forceinline__ void quad_transpose_block(uint32_t* w, const QuadTransposeSel& q, int a) {
-    if constexpr (K_BITS == 2) {
-        const uint32_t v = __byte_perm(w[0], __shfl_xor_sync(0xffffffffu, w[0], 2), q.s1);
-        w[0] = __byte_perm(v, __shfl_xor_sync(0xffffffffu, v, 1), q.s2);
-    } else {
-        const uint32_t keep = __byte_perm(w[0], w[1], q.k1);
-        const uint32_t recv = __shfl_xor_sync(0xffffffffu, __byte_perm(w[0], w[1], q.s1), 2);
-        const uint32_t recv2 = __shfl_xor_sync(0xffffffffu, __byte_perm(keep, recv, q.s2), 1);
-        w[0] = __byte_perm(a ? recv : keep, recv2, q.o0);
-        w[1] = __byte_perm(a ? keep : recv, recv2, q.o1);
-    }
-}
-
-// Odd k (kbit_gemm.cuh, TiledFormat::field_slot): a lane's stream is two halves c of K_BITS words, each two subs d
-// of 2 K_BITS bytes (sub 0 = words 0 .. MW - 1 and the low halfword of word MW, sub 1 = its high halfword and words
-// MW + 1 .. 2 MW, MW = (K_BITS - 1) / 2), and sub (c, d) holds the 4 blocks' items of pair p = 2c + d. The same
-// 4 x 4 transpose then moves whole words: round 1 (xor 2) swaps half 1 - a for the partner's half a; round 2 (xor 1)
-// sends sub 1 - b of both halves, already shifted into the neighbour's sub b position (16-bit funnel shifts), and
-// takes the neighbour's into its own sub 1 - b. k = 3: 6 SHFL + 24 selects/permutes per unit (the even-k block
-// permutes: 16 and 36 per unit at k = 2, 4); k = 5 would be 10 + 40 (measured, not used: section 8).
-template <int K_BITS> __device__ __forceinline__ void quad_transpose_halves(uint32_t* w, bool a, bool b) {
-    constexpr int HW = K_BITS, MW = (K_BITS - 1) / 2; // words per half; the word split between its subs
-#pragma unroll
-    for (int j = 0; j < HW; j++) { // round 1: lanes t, t ^ 2
-        const uint32_t r = __shfl_xor_sync(0xffffffffu, a ? w[j] : w[HW + j], 2);
-        w[j] = a ? r : w[j];
-        w[HW + j] = a ? w[HW + j] : r;
-    }
-    uint32_t f[2][MW]; // round 2: lanes t, t ^ 1; sub 1 - b in the neighbour's sub b position
-#pragma unroll
-    for (int c = 0; c < 2; c++)
-#pragma unroll
-        for (int i = 0; i < MW; i++) {
-            const uint32_t* h = w + c * HW;
-            f[c][i] = __shfl_xor_sync(0xffffffffu, __funnelshift_r(b ? h[i] : h[MW + i], b ? h[i + 1] : h[MW + i + 1], 16), 1);
-        }
-    const uint32_t half = __shfl_xor_sync(0xffffffffu, __byte_perm(b ? w[0] : w[2 * MW], b ? w[HW] : w[HW + 2 * MW],
-                                                                   b ? 0x5410u : 0x7632u), 1);
-#pragma unroll
-    for (int c = 0; c < 2; c++) {
-        uint32_t* h = w + c * HW;
-#pragma unroll
-        for (int i = 0; i < MW; i++) {
-            h[i] = b ? f[c][i] : h[i];
-            h[MW + 1 + i] = b ? h[MW + 1 + i] : f[c][i];
-        }
-        h[MW] = __byte_perm(h[MW], half, b ? (c ? 0x3276u : 0x3254u) : (c ? 0x7610u : 0x5410u));
-    }
-}
-
-// warps 10, 11 (Cfg::TRANSPOSE): for each k-step, transpose units tw, tw + 2, ... of its weight slot in place once the
-// bulk copies landed, then arrive on w_ready (the weight producer fences the async proxy before it refills the slot).
-// Batches of units: all loads, then the exchanges (independent chains the scheduler interleaves), then all stores;
-// as many units as 40 registers hold without spilling (ptxas: 16-24 bytes of spills at 24 lane words for k = 3, 5,
-// at 16 for k = 4; a spilling k = 4 batch of two cost 3% against one unit at a time)
-template <class Cfg>
-__device__ __forceinline__ void transpose_unit(uint32_t* w, const QuadTransposeSel& q, bool a, bool b) {
-    constexpr int K_BITS = Cfg::Fmt::LANE_WORDS / 2;
-    if constexpr (K_BITS % 2 == 0) {
-#pragma unroll
-        for (int blk = 0; blk < UNIT_BLOCKS; blk++) quad_transpose_block<K_BITS>(w + blk * (K_BITS / 2), q, a);
-    } else {
-        quad_transpose_halves<K_BITS>(w, a, b);
-    }
-}
-template <class Cfg>
-__device__ __forceinline__ void ws_transpose_weights(const WsSmem<Cfg>& sm, int n_steps, int tw, int lane) {
-    using F = typename Cfg::Fmt;
-    constexpr int K_BITS = F::LANE_WORDS / 2, UNITS = Cfg::CONSUMER_WARPS / Cfg::TRANSPOSE_WARPS;
-    constexpr int BATCH = K_BITS == 2 ? 4 : K_BITS == 3 ? 2 : 1;
-    static_assert(Cfg::CONSUMER_WARPS % Cfg::TRANSPOSE_WARPS == 0 && UNITS % BATCH == 0, "every warp the same units");
-    const QuadTransposeSel q = quad_transpose_sel<K_BITS % 2 == 0 ? K_BITS : 2>(lane);
-    const bool a = (lane & 2) != 0, b = (lane & 1) != 0;
-    for (int i = 0; i < n_steps; i++) {
-        const int ws = i % Cfg::W_STAGES;
-        mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
-#pragma unroll
-        for (int j0 = 0; j0 < UNITS; j0 += BATCH) {
-            uint32_t w[BATCH][F::LANE_WORDS];
-            const uint32_t s_unit = sm.w_slot(ws) + (tw + j0 * Cfg::TRANSPOSE_WARPS) * Cfg::UNIT_BYTES; // units tw, tw + 2, ..
-            constexpr uint32_t UNIT_STEP = Cfg::TRANSPOSE_WARPS * Cfg::UNIT_BYTES;
-#pragma unroll
-            for (int j = 0; j < BATCH; j++) lds_unit_words<Cfg>(w[j], s_unit + j * UNIT_STEP, lane);
-#ifndef KBIT_PROBE_WS_NO_TRANSPOSE_MATH // timing probe only (wrong results): the loads and stores alone
-#pragma unroll
-            for (int j = 0; j < BATCH; j++) transpose_unit<Cfg>(w[j], q, a, b);
-#endif
-#pragma unroll
-            for (int j = 0; j < BATCH; j++) sts_unit_words<Cfg>(w[j], s_unit + j * UNIT_STEP, lane);
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(sm.w_ready(ws));
-    }
-}
-
 // this warp's unit of weight slot s_w: lane words (lane-major 16- / 8-byte chunks, as in global) and the
 // absmax of rows g, g + 8 (8 bytes of E4M4 or 16 of fp16 at [g][row half][block])
 template <class Cfg>
@@ -731,7 +509,7 @@ __device__ __forceinline__ void ws_fetch_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WOR
                                               uint32_t (&raw)[2][2][4], const WsSmem<Cfg>& sm, int i, uint32_t lane_off,
                                               int warp, int lane) {
     const int ws = i % Cfg::W_STAGES;
-    mbar_wait(Cfg::TRANSPOSE ? sm.w_ready(ws) : sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
+    mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
     ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
 #ifndef KBIT_PROBE_WS_NO_DEQUANT
     lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
@@ -846,7 +624,6 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         for (int s = 0; s < Cfg::W_STAGES; s++) {
             mbar_init(sm.w_full(s), 1);
             mbar_init(sm.w_empty(s), Cfg::CONSUMER_WARPS);
-            mbar_init(sm.w_ready(s), Cfg::TRANSPOSE_WARPS);
         }
         mbar_init(sm.park_full(), Cfg::CONSUMER_THREADS);
         mbar_init(sm.park_read(), Cfg::CONSUMER_THREADS);
@@ -861,8 +638,6 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
         if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0)
             ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps, multicast, clustered);
-        if constexpr (Cfg::TRANSPOSE)
-            if (warp >= Cfg::CONSUMER_WARPS + 2) ws_transpose_weights<Cfg>(sm, n_steps, warp - Cfg::CONSUMER_WARPS - 2, lane);
         return;
     }
     KBIT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::CONSUMER_REGS));
@@ -901,7 +676,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side: the tensor map of A or A' (cuTensorMapEncodeTiled through the runtime's driver entry point,
+// Host side: the tensor map of A (cuTensorMapEncodeTiled through the runtime's driver entry point,
 // so the library needs no -lcuda)
 // ---------------------------------------------------------------------------------------------
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -920,7 +695,7 @@ static EncodeTiledFn encode_tiled_fn() {
     return s_fn;
 }
 
-// tokens [rows][K_dim] 16-bit with row stride ld elements (A' or A itself: 16-byte aligned, ld % 8 == 0),
+// tokens [rows][K_dim] 16-bit with row stride ld elements (16-byte aligned, ld % 8 == 0),
 // boxes of 64 k x 256 rows with the 128-byte swizzle; out-of-range rows and k read as 0
 static bool make_token_map(CUtensorMap* map, const void* tokens, int rows, int K_dim, long long ld, int tok) {
     const EncodeTiledFn fn = encode_tiled_fn();

@@ -1,7 +1,7 @@
 // kbit_tiled_unit.cuh: reading the tiled k-bit layout one unit at a time (device code).
 //
 // A unit is 16 rows n x 128 k of the tiled weight (kbit_gemm.cuh, TiledFormat). Lane (g, t) of a
-// warp reading a unit holds rows g and g + 8 x k 8t .. 8t + 7 of each of its 4 blocks: 32 pairs of
+// warp reading a unit holds rows g and g + 8 x k 8p + 2t, +1 (p = 0..3) of each of its 4 blocks: 32 pairs of
 // consecutive elements. A pair's 2*K_BITS index bits are one LUT index, one contiguous field of the
 // lane's words; the LUT holds {codebook[i0], codebook[i1]} in the compute dtype, so a pair costs one
 // shift/mask (an OR more where an odd-K_BITS field straddles two words), one shared load and one HMUL2
@@ -84,17 +84,31 @@ __device__ __forceinline__ uint32_t scale_of(const uint32_t* abs, int idx, const
     }
 }
 
-// LUT index of pair pr (elements 8t + 2pr, +1) of (row g + 8 half, block blk): the pair's 2k-bit field of
+// LUT index of pair pr (elements 8pr + 2t, +1) of (row g + 8 half, block blk): the pair's 2k-bit field of
 // the lane's word stream (field positions: TiledFormat, tiled_bit_source).
 template <int K_BITS, bool ABS_U8>
 __device__ __forceinline__ uint32_t pair_lut_index(const UnitRegs<K_BITS, ABS_U8>& r, int blk, int half, int pr) {
     using F = TiledFormat<K_BITS>;
     const int q = 4 * (2 * blk + (pr >> 1)) + (half | ((pr & 1) << 1));
-    const int pos = F::field_slot(q) * F::FIELD_BITS;
+    const int pos = q * F::FIELD_BITS;
     const int w = pos / 32, b = pos % 32; // field bit 0 = bit b of word w
     uint32_t e = r.w[w] >> b;
     if (b + F::FIELD_BITS > 32) e |= r.w[w + 1] << (32 - b); // straddles two words (k = 3, 5)
     return e & ((1u << F::FIELD_BITS) - 1);
+}
+
+// 4 x 4 transpose of 32-bit words among the lanes of a quad: lane t's a[j] becomes lane j's a[t]. Two shuffle rounds,
+// each swapping the 2 x 2 blocks (xor 2) or the words inside them (xor 1) that differ from the lane in that bit.
+__device__ __forceinline__ void quad_transpose_words(uint32_t (&a)[4], int t) {
+#pragma unroll
+    for (int m = 2; m >= 1; m /= 2) {
+        const bool hi = t & m;
+        const int i0 = 0, i1 = m == 2 ? 1 : 2; // the two words whose index has bit m clear
+        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? a[i0] : a[i0 + m], m);
+        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? a[i1] : a[i1 + m], m);
+        if (hi) a[i0] = r0, a[i1] = r1;
+        else a[i0 + m] = r0, a[i1 + m] = r1;
+    }
 }
 
 // A block of the weight, in whole units: rows [16 n16_begin, n_end) x k [128 ks_begin, k_end),
@@ -107,7 +121,8 @@ struct TiledRegion {
 // ---------------------------------------------------------------------------------------------
 // Tiled weight -> a row-major fp16/bf16 block of W, for the large-M path (dequantize a chunk of
 // rows or of k, then cuBLAS). One warp per unit, persistent CTAs so the pair table is built once
-// per CTA; a lane writes 8 chunks of 8 consecutive k (16 bytes).
+// per CTA; a lane dequantizes its pairs (k 8p + 2t), the lanes of a quad transpose them (quad_transpose_words) and
+// each writes 8 chunks of 8 consecutive k (16 bytes).
 // ---------------------------------------------------------------------------------------------
 constexpr int DEQ_TILED_THREADS = 256;
 constexpr int DEQ_TILED_CTAS_PER_SM = 8;  // persistent grid: 8 x 256 threads fill an SM
@@ -150,6 +165,7 @@ __global__ void __launch_bounds__(DEQ_TILED_THREADS) kbit_dequant_tiled_kernel(
                 uint32_t v[4];
 #pragma unroll
                 for (int pr = 0; pr < 4; pr++) v[pr] = Pack2<T>::mul(s_lut[pair_lut_index<K_BITS, ABS_U8>(r, blk, half, pr)], scale);
+                quad_transpose_words(v, t); // v[j] = pair t of lane j: k 8t + 2j, +1
                 // one 16-byte store (rows start 64-byte aligned: ld % 32 == 0). Through a uint4 pointer nvcc
                 // split it into four 4-byte stores here: a 2.4x slower kernel (H200). PTX ISA 9.7.9.9
                 if (k_unit + blk * BLOCK_ELEMS < region.k_end && row + 8 * half < region.n_end)

@@ -69,23 +69,26 @@ def test_repack_round_trip_bit_exact(k, N, K_dim, absmax_dtype):
     assert torch.equal(p2, packed) and torch.equal(a2.view(torch.uint8), absmax.view(torch.uint8))
 
 
-@pytest.mark.parametrize("k", [3, 5])
-def test_tiled_layout_odd_k_subs(k):
-    """Odd k: a lane's stream is 4 subs of 16k bits, sub 2c + d holding pair p = 2c + d of the 4 blocks in block
-    order (rows g, g + 8 of a pair adjacent): the pieces config 7's in-kernel transpose moves between lanes whole."""
-    src_row, src_k, _ = tiled_layout._unit_bit_sources(k)
-    lane_words, nv4 = 2 * k, (2 * k) // 4
+@pytest.mark.parametrize("k", KS)
+def test_tiled_layout_fragment_order(k):
+    """A lane's stream holds its 32 pair fields in MMA order (q = 4 (2 blk + s) + j): pair p = 2 s + (j >> 1) of row
+    g + 8 (j & 1) is elements 8p + 2t, +1 of block blk, the k its register fragment slots stand for, so every config
+    (ldmatrix, wgmma from shared memory) reads the tokens in their own order."""
+    src_row, src_k, src_bit = tiled_layout._unit_bit_sources(k)
+    lane_words, nv4, field_bits = 2 * k, (2 * k) // 4, 2 * k
+    lo_bpe = 4 if k >= 4 else 2
     for lane in range(32):
         g, t = lane // 4, lane % 4
         for lw in range(lane_words):
             off = (lw // 4) * 128 + lane * 4 + lw % 4 if lw < 4 * nv4 else nv4 * 128 + lane * 2 + (lw - 4 * nv4)
             for bit in range(32):
-                pos = 32 * lw + bit
-                blk, kk = divmod(int(src_k[off, bit]), 32)
-                assert kk // 8 == t, (lane, pos)
-                assert (kk % 8) // 2 == pos // (16 * k), f"lane {lane} stream bit {pos}: pair {(kk % 8) // 2}"
-                item, within = divmod(pos % (16 * k), 4 * k)
-                assert item == blk and int(src_row[off, bit]) == g + 8 * (within // (2 * k)), (lane, pos)
+                q, x = divmod(32 * lw + bit, field_bits)
+                blk, s, j = q // 8, (q // 4) % 2, q % 4
+                p = 2 * s + (j >> 1)
+                elem = x // lo_bpe if x < 2 * lo_bpe else x - 2 * lo_bpe
+                assert int(src_row[off, bit]) == g + 8 * (j & 1), (lane, lw, bit)
+                assert int(src_k[off, bit]) == 32 * blk + 8 * p + 2 * t + elem, (lane, lw, bit)
+                assert int(src_bit[off, bit]) == (x % lo_bpe if x < 2 * lo_bpe else lo_bpe), (lane, lw, bit)
 
 
 @pytest.mark.parametrize("k", KS)
@@ -405,10 +408,8 @@ def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
 @requires_hopper
 def test_cuda_gemm_warp_specialised_large_m_and_graph():
     """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one) in one
-    launch (k = 3, and k = 5 with N <= 4096: the weight-transposing kernels) and, for k = 5 on a wider weight, in two
-    permuted-token chunks (K = 14336 fits 2304 tokens per chunk); and the dispatcher's large-M choice for a wide
-    weight (config 7: tensor map, kernel) at 3000 tokens (k = 5 with N <= 4096: 2000), and at 512 captured in a CUDA
-    graph with out= and replayed on new data."""
+    launch, k = 3 and 5, narrow and wide weights; and the dispatcher's large-M choice for a wide weight (config 7:
+    tensor map, kernel) at 3000 tokens, and at 512 captured in a CUDA graph with out= and replayed on new data."""
     run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
     run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
     run_case(2400, 4200, 14336, 5, torch.float16, bias=True, config=7)
@@ -419,8 +420,7 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
         return _staged_preferred(get_lib(), torch.device("cuda"), M, N, K_dim, k, 132)
 
     for (N, K_dim), k in itertools.product(((14336, 4096), (4096, 14336)), KS):
-        transposing_k5 = k == 5 and N <= 4096  # (its weight-transposing kernel: up to 2048 tokens)
-        assert staged(3000, N, K_dim, k) == transposing_k5, (N, K_dim, k)
+        assert not staged(3000, N, K_dim, k), (N, K_dim, k)
         assert not staged(2000, N, K_dim, k), (N, K_dim, k)
         assert staged(4100, N, K_dim, k), (N, K_dim, k)  # above 4096
     # a smaller weight above 1024 tokens: config 7 only where its tiles fill >= 9/10 of every wave, k <= 4
@@ -461,9 +461,8 @@ def test_cuda_gemm_warp_specialised_split_k(k):
     planned for 1000 SMs (4 splits of 28 k-steps), bias and bf16; the dispatcher's own choice (a deep weight at M =
     256) twice in a row gives the same bits (the tile counters reset themselves, the slots are summed in split
     order). Without k splits, a partial last wave runs its tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6
-    split, 17 k-steps in 9 + 8), 80 tiles on 37 SMs (the last 6 split, 56 + 56). k = 5 on a wider weight (N > 4096:
-    the token-permuting kernel) too: 297 tiles per token chunk planned for 1000 SMs (3 splits of 38, 38, 36 in each
-    chunk), and on 140 SMs (the first chunk's last 17 tiles split)."""
+    split, 17 k-steps in 9 + 8), 80 tiles on 37 SMs (the last 6 split, 56 + 56). k = 5 on a wider weight too: 330 tiles
+    planned for 1000 SMs (3 splits of 38, 38, 36), and on 140 SMs (the last 50 tiles split)."""
     run_case(300, 1000, 6272, k, torch.bfloat16, bias=True, config=7)
     run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=1000)
     run_case(1000, 1000, 2080, k, torch.bfloat16, bias=True, config=7, sm_count=13)
@@ -484,8 +483,8 @@ def test_cuda_gemm_warp_specialised_token_multicast(k):
     weight tile (N = 1000: 8 tiles) and a last m tile whose second 128 rows all lie past M (M = 600), planned for 24
     SMs (24 tiles: no splits, no tail), for 13 (a last wave of 11: no tail split) and for 10 (the last 4 tiles split
     in k halves, each tile's two halves a cluster summing through shared memory, one of them with every token past M in
-    its half: the last m tile's second 128 rows); k = 5 also on a wider weight (N = 4352, 34 tiles: the
-    token-permuting kernel, 102 SMs). Bias, bf16, output poisoned; a second call gives the same bits."""
+    its half: the last m tile's second 128 rows); k = 5 also on a wider weight (N = 4352, 34 tiles, 102 SMs). Bias,
+    bf16, output poisoned; a second call gives the same bits."""
     run_case(600, 1000, 1312, k, torch.float16, bias=True, config=7, sm_count=24)
     out = run_case(600, 1000, 1312, k, torch.bfloat16, config=7, sm_count=13)
     assert torch.equal(out, run_case(600, 1000, 1312, k, torch.bfloat16, config=7, sm_count=13))
@@ -499,14 +498,13 @@ def test_cuda_gemm_warp_specialised_token_multicast(k):
 @requires_hopper
 @pytest.mark.parametrize("k", KS)
 def test_cuda_gemm_warp_specialised_token_strides(k):
-    """Config 7's tokens come from A itself where the kernel transposes the weight fields (k = 2..4; k = 5 with N <=
-    4096) and from a permuted copy for k = 5 on a wider weight: a padded row stride (lda = K + 32, read by the tensor
-    map as it is), and views the op copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference,
-    output poisoned."""
+    """Config 7's tokens come from A itself through the tensor map: a padded row stride (lda = K + 32, read as it is),
+    and views the op copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference, output
+    poisoned."""
     from bitsandbytes_kbit.backends.cuda.ops import get_lib, kbit_gemm_cuda
 
-    # the workspace is sized the same for every k (k = 5 also holds the permuted tokens), so a cached workspace does
-    # not grow, and free what an earlier graph captured, when a call of another k follows
+    # the workspace is sized the same for every k, so a cached workspace does not grow, and free what an earlier graph
+    # captured, when a call of another k follows
     sizing = get_lib().ckbit_gemm_workspace_bytes
     sizing.restype, sizing.argtypes = ctypes.c_size_t, [ctypes.c_int] * 5
     for M_, N_, K_ in itertools.product((256, 1024, 2048), (4096, 14336), (4096, 14336)):

@@ -10,13 +10,12 @@ The tiled format (owned by the repack kernel; the constants below MUST equal csr
   * unit (n16, kstep) = rows [16*n16, +16) x k [128*kstep, +128); units are stored n16-major:
     unit = n16 * k_steps + kstep; unit words = 64 * k, unit absmax = 64.
   * inside a unit, lane = 4*g + t (g = 0..7, t = 0..3) of the GEMM warp owns rows g and g+8 and, of
-    each of the 4 quantization blocks, k = 8t .. 8t+7, as 32 "pairs" q = 4*u + j with
-    u = 2*blk + s, j in 0..3: row g + 8*(j & 1), pair p = 2*s + (j >> 1) = elements (8t+2p, 8t+2p+1).
+    each of the 4 quantization blocks, 32 "pairs" q = 4*u + j with u = 2*blk + s, j in 0..3: row
+    g + 8*(j & 1), pair p = 2*s + (j >> 1) = elements (8p+2t, 8p+2t+1) of the block (the k of the MMA
+    register fragment slots that hold them).
   * a lane's 2*k words, read as one 64k-bit little-endian stream (word w = bits 32w .. 32w+31), hold
-    pair q's LUT index e at stream bits [2k*slot, 2k*slot + 2k) (for k = 3, 5 a field may straddle two
-    words); slot = q for even k; for odd k, with q = 8*blk + 2*p + row and p = 2*c + d,
-    slot = 16*c + 8*d + 2*blk + row (halves c of subs d of the 4 blocks: the pieces config 7's in-kernel
-    weight transpose moves between lanes). e = lo | hi << lo_field_bits: lo = the lo_bits_per_elem (2 for k = 2, 3; 4 for k = 4, 5)
+    pair q's LUT index e at stream bits [2k*q, 2k*q + 2k) (for k = 3, 5 a field may straddle two
+    words). e = lo | hi << lo_field_bits: lo = the lo_bits_per_elem (2 for k = 2, 3; 4 for k = 4, 5)
     low index bits of element 0, then of element 1; hi (k = 3, 5) = the top index bit of element 0
     (bit 0), then of element 1.
   * the lane's words sit in the unit as uint4 chunks (lane word lw < 4*NV4 at (lw//4)*128 + lane*4 + lw%4)
@@ -50,14 +49,6 @@ def tiled_sizes(k: int, N: int, K_dim: int) -> tuple[int, int]:
     return units * 64 * k, units * UNIT_ABSMAX
 
 
-def _slot_field(k: int, slot: int) -> int:
-    """Pair field q held by stream slot `slot` (TiledFormat<k>::slot_field)."""
-    if k % 2 == 0:
-        return slot
-    c, d, blk, row = slot >> 4, (slot >> 3) & 1, (slot >> 1) & 3, slot & 1
-    return 8 * blk + 4 * c + 2 * d + row
-
-
 @functools.cache  # pure function of k; rebuilding it dominated small repacks
 def _unit_bit_sources(k: int):
     """For every (unit word offset, bit): (row in unit, k in unit, index bit). Shapes [64k, 32]."""
@@ -73,8 +64,7 @@ def _unit_bit_sources(k: int):
         for lw in range(lane_words):
             off = (lw // 4) * 128 + lane * 4 + lw % 4 if lw < 4 * nv4 else nv4 * 128 + lane * 2 + (lw - 4 * nv4)
             for bit in range(32):
-                slot, x = divmod(32 * lw + bit, field_bits)  # stream slot, bit of its LUT index
-                q = _slot_field(k, slot)  # pair
+                q, x = divmod(32 * lw + bit, field_bits)  # pair field, bit of its LUT index
                 if x < lo_fb:
                     elem, ibit = x // lo_bpe, x % lo_bpe
                 else:
@@ -83,7 +73,7 @@ def _unit_bit_sources(k: int):
                 blk, s = u // 2, u % 2
                 half, pair = j & 1, 2 * s + (j >> 1)
                 src_row[off, bit] = g + 8 * half
-                src_k[off, bit] = blk * BLOCK_ELEMS + 8 * t + 2 * pair + elem
+                src_k[off, bit] = blk * BLOCK_ELEMS + 8 * pair + 2 * t + elem
                 src_bit[off, bit] = ibit
     return src_row, src_k, src_bit
 
