@@ -797,8 +797,31 @@ __device__ __forceinline__ void load_a_async(uint32_t s_a, const StreamCursor<Cf
     }
 }
 
-// A_IN_RING == false: A fragments of one k-step straight into registers (L1 shared by the warps): of each block,
-// the words at k 8j + 2t (j = 0..3) of token g, as ldmatrix_b_frags would give them
+// 4 x 4 transpose of 32-bit words among the lanes of a quad: lane t's a[j] becomes lane j's a[t]. Two shuffle rounds,
+// each swapping the 2 x 2 blocks (xor 2) or the words inside them (xor 1) that differ from the lane in that bit.
+__device__ __forceinline__ void quad_transpose_words(uint32_t (&a)[4], int t) {
+#pragma unroll
+    for (int m = 2; m >= 1; m /= 2) {
+        const bool hi = t & m;
+        const int i0 = 0, i1 = m == 2 ? 1 : 2; // the two words whose index has bit m clear
+        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? a[i0] : a[i0 + m], m);
+        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? a[i1] : a[i1 + m], m);
+        if (hi) a[i0] = r0, a[i1] = r1;
+        else a[i0 + m] = r0, a[i1 + m] = r1;
+    }
+}
+__device__ __forceinline__ void quad_transpose_words(uint4& v, int t) {
+    uint32_t a[4] = {v.x, v.y, v.z, v.w};
+    quad_transpose_words(a, t);
+    v = make_uint4(a[0], a[1], a[2], a[3]);
+}
+
+// A_IN_RING == false: A of one k-step straight into registers (L1 shared by the warps): 16-byte chunk t (k 8t..8t+7)
+// of each block of token g; quad_transpose_words then makes them the B fragments (words at k 8j + 2t, j = 0..3), as
+// ldmatrix_b_frags would give them. H100, us, against four 4-byte loads per block (M = 16, k = 2 / 4): 1024 x 4096
+// 6.9 / 7.1 -> 6.5 / 6.8, 2048 x 4096 9.2 / 9.7 -> 8.2 / 8.9; the same through a per-warp shared buffer and ldmatrix
+// was as fast (6.4 / 6.8, 8.1 / 8.9) for 32 KB of shared memory. The permuted layout before (one 16-byte load, used as
+// it came) took 6.3 / 6.5 and 7.8 / 8.4: these small weights at 5-16 tokens lost 3-6% with it.
 template <class Cfg>
 __device__ __forceinline__ void load_a_registers(uint4 (&r_a)[UNIT_BLOCKS][Cfg::MB], const KbitGemmParams& p,
                                                  int m_base, int kstep, int lane) {
@@ -810,15 +833,12 @@ __device__ __forceinline__ void load_a_registers(uint4 (&r_a)[UNIT_BLOCKS][Cfg::
 #pragma unroll
         for (int blk = 0; blk < UNIT_BLOCKS; blk++) {
             const int k = kstep * UNIT_K + blk * BLOCK_ELEMS;
-            uint32_t w[4] = {0, 0, 0, 0};
+            uint4 v = make_uint4(0, 0, 0, 0);
             if (m < p.M && k < p.K_dim) {
-                const unsigned short* src = g_A + (long long)m * p.lda + k + 2 * t;
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    w[j] = p.a_word_ok ? __ldg(reinterpret_cast<const uint32_t*>(src + 8 * j))
-                                       : (uint32_t)__ldg(src + 8 * j) | ((uint32_t)__ldg(src + 8 * j + 1) << 16);
+                const unsigned short* src = g_A + (long long)m * p.lda + k + 8 * t;
+                v = p.a_vec_ok ? __ldg(reinterpret_cast<const uint4*>(src)) : ldg_a_unaligned(src);
             }
-            r_a[blk][mb] = make_uint4(w[0], w[1], w[2], w[3]);
+            r_a[blk][mb] = v;
         }
     }
 }
@@ -1210,6 +1230,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
     if (!Cfg::A_IN_RING && n_steps > 0) load_a_registers<Cfg>(r_a, p, m_base, k_begin, lane);
     build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p); // overlaps the prologue's DRAM latency
     __syncthreads();                                         // LUT complete
+    if (!Cfg::A_IN_RING && n_steps > 0) // the first k-step's A chunks into B fragments (after the loads' latency)
+#pragma unroll
+        for (int blk = 0; blk < UNIT_BLOCKS; blk++)
+#pragma unroll
+            for (int mb = 0; mb < Cfg::MB; mb++) quad_transpose_words(r_a[blk][mb], lane % 4);
 
     uint32_t s_st_load = s_ring + 4 * (stages - 1) * stage_words; // ring slot of step i + stages - 1
     uint32_t s_st_comp = s_ring;                                   // ring slot of step i
@@ -1235,7 +1260,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 #pragma unroll
             for (int blk = 0; blk < UNIT_BLOCKS; blk++)
 #pragma unroll
-                for (int mb = 0; mb < Cfg::MB; mb++) r_a[blk][mb] = r_a_next[blk][mb];
+                for (int mb = 0; mb < Cfg::MB; mb++) { // loaded a k-step ago: the shuffles do not wait
+                    r_a[blk][mb] = r_a_next[blk][mb];
+                    quad_transpose_words(r_a[blk][mb], lane % 4);
+                }
         }
     }
     cp_async_wait<0>();

@@ -97,20 +97,6 @@ __device__ __forceinline__ uint32_t pair_lut_index(const UnitRegs<K_BITS, ABS_U8
     return e & ((1u << F::FIELD_BITS) - 1);
 }
 
-// 4 x 4 transpose of 32-bit words among the lanes of a quad: lane t's a[j] becomes lane j's a[t]. Two shuffle rounds,
-// each swapping the 2 x 2 blocks (xor 2) or the words inside them (xor 1) that differ from the lane in that bit.
-__device__ __forceinline__ void quad_transpose_words(uint32_t (&a)[4], int t) {
-#pragma unroll
-    for (int m = 2; m >= 1; m /= 2) {
-        const bool hi = t & m;
-        const int i0 = 0, i1 = m == 2 ? 1 : 2; // the two words whose index has bit m clear
-        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? a[i0] : a[i0 + m], m);
-        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? a[i1] : a[i1 + m], m);
-        if (hi) a[i0] = r0, a[i1] = r1;
-        else a[i0 + m] = r0, a[i1 + m] = r1;
-    }
-}
-
 // A block of the weight, in whole units: rows [16 n16_begin, n_end) x k [128 ks_begin, k_end),
 // written row-major with row stride k_end - 128 ks_begin.
 struct TiledRegion {
