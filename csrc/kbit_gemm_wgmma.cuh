@@ -34,9 +34,12 @@
 //    swizzle (16-byte chunk c of row r at chunk c ^ (r % 8); atoms 1024-aligned), K-major, one
 //    descriptor per k16 step (start + 32 B within the row, SBO = 1024). The tiled weight holds each lane's
 //    pairs at the k its register fragment slots stand for (kbit_gemm.cuh section 3), so the token rows are
-//    stored in their own k order. The tokens travel by 4-byte cp.async straight into the ring (8 per thread and
-//    k-step; written when the tiled weight still permuted k inside each block and the tokens had to follow,
-//    word by word), W_STAGES - 1 k-steps ahead in the same commit groups as the weights. The ring has
+//    stored in their own k order and travel by 16-byte cp.async straight into the ring (2 per thread and k-step),
+//    W_STAGES - 1 k-steps ahead in the same commit groups as the weights. While the tiled weight permuted k inside
+//    each block, the tokens had to follow it word by word (4-byte cp.async, 8 per thread and k-step); H100, us, 4-byte
+//    -> 16-byte copies, k = 2 / 4 / 5: M = 64 14336 x 4096 25.1 / 27.4 / 36.4 -> 22.6 / 24.4 / 33.3, 28672 x 8192 87.3 /
+//    97.1 / 125.2 -> 76.5 / 90.1 / 115.3, 8192 x 8192 29.4 / 31.5 / 40.4 -> 27.1 / 29.1 / 36.9; M = 128 14336 x 4096 44.6
+//    / 49.4 / 63.3 -> 40.3 / 44.7 / 57.7 (two rounds, means; 4-12% at M = 33-128 on every shape). The ring has
 //    W_STAGES + 1 slots: the wgmmas of step i-1 may still read theirs while step i + W_STAGES - 1 lands.
 //
 // 4. Synchronisation per k-step i: cp.async.wait (this thread's weights and tokens of step i),
@@ -139,7 +142,7 @@ struct KbitWgmmaConfig : KbitGemmConfig<K_BITS_, TOK_ / 8, MT_, WARPS_, 1, ABS_U
     static_assert(W_STAGES >= 2, "the ring needs >= 2 stages");
     static constexpr int A_STAGES = W_STAGES + 1;
     static constexpr int SMEM_BYTES = FIXED_BYTES + W_STAGES * (Base::WARPS * W_STAGE_BYTES + A_STAGE_BYTES);
-    static constexpr int TOK_ROW_STEP = Base::THREADS / 64; // token rows one pass of the CTA copies (64 words each)
+    static constexpr int TOK_ROW_STEP = Base::THREADS / 16; // token rows one pass of the CTA copies (16 chunks each)
     static_assert(TOK % TOK_ROW_STEP == 0 && TOK_ROW_STEP % 8 == 0, "a thread's token rows share one swizzle phase");
     static constexpr int LOOKAHEAD = KBIT_WGMMA_LOOKAHEAD;   // 1 or 2 blocks
     static constexpr int RAW_SLOTS = LOOKAHEAD + 1;
@@ -248,35 +251,30 @@ KBIT_WGMMA_RS_SPEC(__nv_bfloat16, "bf16", 128)
 #undef KBIT_ACC8
 
 // ---------------------------------------------------------------------------------------------
-// Token tile: global -> swizzled shared stage, 4-byte cp.async (section 3). Thread x copies word wd = x % 64
-// (k 2 wd, 2 wd + 1 of the k-step) of token
-// rows x / 64 + j * TOK_ROW_STEP: consecutive threads read consecutive words of a row, and the 32 words a
-// warp writes land in 32 different banks (8 swizzled chunks x 4 words of one 128-byte row).
+// Token tile: global -> swizzled shared stage, 16-byte cp.async (section 3). Thread x copies chunk c = x % 16 (k 8c ..
+// 8c + 7 of the k-step) of token rows x / 16 + j * TOK_ROW_STEP: 16 consecutive threads read a row's 256 bytes, and
+// the 8 chunks of a 128-byte row half that a quarter warp writes land in distinct banks (the swizzle).
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void sts32(uint32_t s_addr, uint32_t v) {
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(s_addr), "r"(v));
-}
 
 // Per-thread token read position, advanced by one k-step per call. 32-bit byte offsets into A (the
 // launcher keeps A below 4 GiB on this path); rows past M and blocks past K_dim are zero-filled.
 template <class Cfg> struct TokenCursor {
-    uint32_t off;      // bytes from A to (token m_base + x / 64, real k = kstep * 128 + 2 (x % 64))
+    uint32_t off;      // bytes from A to (token m_base + x / 16, k = kstep * 128 + 8 (x % 16))
     uint32_t row_step; // bytes between the rows of one thread: TOK_ROW_STEP rows of A
     uint32_t rows_ok;  // bit j: row j of this thread is < M
     int k_blk;         // first k of this thread's block at the current k-step
-    uint32_t s_off;    // this thread's word in a token stage (row x / 64, swizzled chunk, word t)
+    uint32_t s_off;    // this thread's chunk in a token stage (row x / 16, half c / 8, swizzled chunk c % 8)
 
     __device__ __forceinline__ void init(const KbitGemmParams& p, int m_base, int kstep) {
-        const int wd = threadIdx.x % 64, row0 = threadIdx.x / 64;
-        const int blk = wd / 16, c = (wd / 4) % 4, w = wd % 4; // word w of 16-byte chunk c of block blk
-        off = ((uint32_t)(m_base + row0) * (uint32_t)p.lda + (uint32_t)(kstep * UNIT_K + 2 * wd)) * 2u;
+        const int c = threadIdx.x % 16, row0 = threadIdx.x / 16;
+        off = ((uint32_t)(m_base + row0) * (uint32_t)p.lda + (uint32_t)(kstep * UNIT_K + 8 * c)) * 2u;
         row_step = (uint32_t)(Cfg::TOK_ROW_STEP * p.lda) * 2u;
         rows_ok = 0;
 #pragma unroll
         for (int j = 0; j < Cfg::TOK / Cfg::TOK_ROW_STEP; j++)
             rows_ok |= (m_base + row0 + j * Cfg::TOK_ROW_STEP < p.M ? 1u : 0u) << j;
-        k_blk = kstep * UNIT_K + blk * BLOCK_ELEMS;
-        s_off = (blk / 2) * Cfg::A_HALF_BYTES + swizzle128(row0, (blk % 2) * 4 + c) + 4 * w;
+        k_blk = kstep * UNIT_K + (c / 4) * BLOCK_ELEMS;
+        s_off = (c / 8) * Cfg::A_HALF_BYTES + swizzle128(row0, c % 8);
     }
     __device__ __forceinline__ void advance() {
         off += UNIT_K * 2;
@@ -285,7 +283,7 @@ template <class Cfg> struct TokenCursor {
 };
 
 // the rows of one thread share a swizzle phase (TOK_ROW_STEP % 8 == 0): row j is j * TOK_ROW_STEP * 128 further
-template <class Cfg, bool WORD_OK>
+template <class Cfg, bool VEC_OK>
 __device__ __forceinline__ void copy_tokens(uint32_t s_stage, const TokenCursor<Cfg>& cur, const KbitGemmParams& p) {
     const char* g_A = reinterpret_cast<const char*>(p.A);
     const bool k_ok = cur.k_blk < p.K_dim; // K_dim % 32 == 0: a block is all in or all out
@@ -294,18 +292,17 @@ __device__ __forceinline__ void copy_tokens(uint32_t s_stage, const TokenCursor<
         const bool ok = k_ok && ((cur.rows_ok >> j) & 1u);
         const char* src = g_A + (ok ? cur.off + j * cur.row_step : 0u);
         const uint32_t dst = s_stage + cur.s_off + j * Cfg::TOK_ROW_STEP * 128;
-        if constexpr (WORD_OK) {
-            cp_async_4_zfill(dst, src, ok ? 4u : 0u);
-        } else { // A or lda not 4-byte aligned: synchronous 2-byte loads (the slot is free all the same)
-            const unsigned short* h = reinterpret_cast<const unsigned short*>(src);
-            sts32(dst, ok ? (uint32_t)h[0] | ((uint32_t)h[1] << 16) : 0u);
+        if constexpr (VEC_OK) {
+            cp_async_16_zfill(dst, src, ok ? 16u : 0u);
+        } else { // A or lda not 16-byte aligned: synchronous 2-byte loads (the slot is free all the same)
+            sts128(dst, ok ? ldg_a_unaligned(reinterpret_cast<const unsigned short*>(src)) : make_uint4(0, 0, 0, 0));
         }
     }
 }
 
 template <class Cfg>
 __device__ __forceinline__ void copy_tokens_async(uint32_t s_stage, TokenCursor<Cfg>& cur, const KbitGemmParams& p) {
-    if (p.a_word_ok) copy_tokens<Cfg, true>(s_stage, cur, p);
+    if (p.a_vec_ok) copy_tokens<Cfg, true>(s_stage, cur, p);
     else copy_tokens<Cfg, false>(s_stage, cur, p);
     cur.advance();
 }
