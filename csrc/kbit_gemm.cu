@@ -792,7 +792,6 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     p.M = M;
     p.lda = lda;
     p.a_vec_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
-    p.a_word_ok = (reinterpret_cast<uintptr_t>(A) % 4 == 0) && (lda % 2 == 0);
     if (d.k_splits > 1) {
         p.counters = reinterpret_cast<int*>(workspace);  // [ctas], ctas <= MAX_SPLIT_CTAS
         p.partials = reinterpret_cast<float*>(reinterpret_cast<char*>(workspace) + COUNTER_REGION_BYTES);

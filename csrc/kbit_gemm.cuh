@@ -636,7 +636,6 @@ struct KbitGemmParams {
     int n16_tiles;          // N_pad / UNIT_ROWS
     int k_splits, ks_per_split;
     int a_vec_ok;           // A 16-byte aligned and lda % 8 == 0
-    int a_word_ok;          // A 4-byte aligned and lda % 2 == 0
     int a_rows;             // token rows of A staged per k-step: min(M, TILE_M)
     int cluster_reduce;     // config 6: the k_splits CTAs of a tile are one cluster and reduce through DSMEM
     int ws_tail_from;       // config 7 without k_splits: tiles from here on run as two CTAs of half the k-steps
