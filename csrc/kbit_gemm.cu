@@ -44,7 +44,9 @@ static bool check_launch(const char* what) {
     X(5, 8, 2, 1, 1, 8) /* M > 32 ("wide"): 256 x 64, 226 KB (sm_90)                                            */      \
     X(8, 1, 2, 2, 2, 4) /* config 2 as 128 x 8 CTA tiles, 2 warps along k: half the split-K splits (split-heavy) */    \
     X(9, 2, 2, 2, 2, 4) /* config 3 as 128 x 16                                                                 */      \
-    X(10, 1, 2, 2, 1, 7) /* config 2 as 224 x 8 (7 warps): a lighter busiest SM where 256-row tiles leave slots idle */
+    X(10, 1, 2, 2, 1, 7) /* config 2 as 224 x 8 (7 warps): a lighter busiest SM where 256-row tiles leave slots idle */ \
+    X(11, 2, 2, 1, 4, 4) /* config 3 as 128 x 16, 16 warps (4 along k), one CTA per SM: no split-K where its tiles fill  \
+                            3/4 to all of the SMs (sm_90: 226 KB)                                                    */
 
 // wgmma configs (KbitWgmmaConfig, sm_90a only: kbit_gemm_wgmma.cuh; 8 warps along n, one CTA per SM):
 //   id  TOK MT WARPS   reason
@@ -53,7 +55,8 @@ static bool check_launch(const char* what) {
 // warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
 // tokens, producer warps (bulk copies of the weights, TMA of the tokens) and 2 consumer warpgroups
 constexpr int WS_CONFIG = 7;
-constexpr int NUM_CONFIGS = 11;
+constexpr int NUM_CONFIGS = 12;
+constexpr int SIXTEEN_WARP_CONFIG = 11;   // config 3 as 16 warps in a CTA per SM
 constexpr int WARPS_K_CONFIG_OFFSET = 6; // configs 8, 9 = configs 2, 3 with two warps along k
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
 constexpr int WIDE_CONFIG = 5;            // MB = 8
@@ -131,7 +134,7 @@ static bool wgmma_available() {
 static bool config_available(int id) {
     if (id < 0 || id >= NUM_CONFIGS) return false;
     if (id == FIRST_WGMMA_CONFIG || id == WS_CONFIG) return wgmma_available();
-    if (id == WIDE_CONFIG) return device_smem_optin() >= 226 * 1024;
+    if (id == WIDE_CONFIG || id == SIXTEEN_WARP_CONFIG) return device_smem_optin() >= 226 * 1024;
     return true;
 }
 // ---------------------------------------------------------------------------------------------
@@ -383,6 +386,20 @@ static bool staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) 
 // 43.3 / 48.5 / 59.5. The same for config 3 (224 x 16, M=16) was 0-5% slower (14336 x 4096 k=2 16.2 -> 16.8,
 // 28672 x 8192 k=3 52.8 -> 55.3): not kept.
 constexpr int SEVEN_WARP_CONFIG = 10;
+// Config 3 as one 16-warp CTA per SM (config 11: 128-row tiles, 4 warps along n x 4 along k, the k warps summed in
+// shared memory) where its tiles need no split-K and fill at least the share of the SMs that config 3's CTAs fill of
+// its slots: 14336 x 4096 at M = 16 runs 112 CTAs of 32 k-steps instead of 56 tiles x 4 splits of 8 (224 CTAs on 264
+// slots: the same 85%) and pays no workspace round trip. H100, us, forced, paths interleaved (dev/probe_paths.py),
+// config 3 -> 11, k = 2 / 3 / 4 / 5:
+//   14336 x 4096 M=16 14.8 / 16.9 / 17.5 / 21.6 -> 14.0 / 16.2 / 17.1 / 20.5; M=9 14.2 / 16.1 / 16.9 / 20.7 -> 13.2 /
+//     15.6 / 17.0 / 20.1
+//   16384 x 4096 M=16 15.1 / 17.1 / 18.4 / 22.0 -> 14.1 / 16.6 / 17.9 / 21.4 (128 CTAs on 132 SMs, config 3 256 of 264)
+//   but 12800 x 5120 M=16 15.4 / 17.5 / 18.2 / 22.2 -> 17.2 / 19.2 / 19.9 / 23.9: 100 CTAs fill 76% of the SMs where
+//   config 3's 50 tiles x 5 splits fill 95% of its slots. With split-K left it is no faster (8192 x 8192, 64 tiles x
+//   2 splits, k = 2 / 3: 15.7 / 17.6-17.7 -> 15.7-15.8 / 18.1-18.3; 4096 x 14336, 32 x 4: 14.4-14.5 / 16.4-16.5 ->
+//   14.3-14.5 / 16.5-16.7, against config 9), and with two waves slower (28672 x 8192 k = 2: 43.9 -> 52.5).
+//   docs/kernel.md "Sixteen warps per CTA at M = 16".
+constexpr int SIXTEEN_WARP_MIN_STEPS_PER_WARP = 4;
 static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
     const ConfigInfo c = config_info(config);
     const int splits = choose_splits(c, M, N, K_dim, sm_count);
@@ -428,6 +445,14 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         else if (config == FIRST_SHARED_A_CONFIG &&
                  sm_load(SEVEN_WARP_CONFIG, M, N, K_dim, sm_count) < sm_load(config, M, N, K_dim, sm_count))
             config = SEVEN_WARP_CONFIG; // 224-row tiles: less work on the busiest SM
+    }
+    if (config == FIRST_SHARED_A_CONFIG + 1 && !mid_m_l2 && config_available(SIXTEEN_WARP_CONFIG)) {
+        // 128-row tiles, one 16-warp CTA per SM, all resident without split-K and filling as large a share of the SMs
+        // as config 3's CTAs fill of its slots (two per SM)
+        const long long t = tiles(SIXTEEN_WARP_CONFIG);
+        const long long ctas3 = tiles(config) * choose_splits(config_info(config), M, N, K_dim, sm_count);
+        if (t <= sms && 2 * t >= ctas3 && k_steps >= SIXTEEN_WARP_MIN_STEPS_PER_WARP * 4)
+            config = SIXTEEN_WARP_CONFIG; // the k chunks summed in shared memory instead of split-K
     }
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }
@@ -491,7 +516,7 @@ static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], 
     return true;
 }
 
-// Programmatic dependent launch (PDL, sm_90): the per-warp and shared-A kernels (configs 0-5, 8-10) are launched
+// Programmatic dependent launch (PDL, sm_90): the per-warp and shared-A kernels (configs 0-5, 8-11) are launched
 // with programmatic stream serialization. A kernel allows its dependents once its own loads are issued (after its
 // k-loop; the register-weight loop at its last k-step), so the next call's CTAs take the SM slots this call's CTAs
 // leave during its split-K arrivals, last reductions and grid completion, and start their prologue there;

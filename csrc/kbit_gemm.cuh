@@ -26,7 +26,9 @@
 //        8, 9 = configs 2, 3 with WARPS_K = 2 (4 warps along n, 128-row CTAs, each k warp a contiguous half of
 //        the CTA's k-steps): twice the tiles, half the split-K splits, where many short splits make the
 //        reduction weigh (section 5); 10 = config 2 with 7 warps (224-row CTAs), where 256-row tiles x whole
-//        splits leave SM slots idle (14336 x 4096: 256 CTAs of 224 rows instead of 224 of 256 on 264 slots)
+//        splits leave SM slots idle (14336 x 4096: 256 CTAs of 224 rows instead of 224 of 256 on 264 slots);
+//        11 = config 3 as 16 warps (4 along n x 4 along k, 128-row CTAs, one per SM, sm_90): where its tiles fill
+//        3/4 to all of the SMs it needs no split-K (14336 x 4096 at M = 16: 112 CTAs, 5% faster than config 3)
 //      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
 //        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper
 //      warp-specialised wgmma (kbit_gemm_wgmma_ws_kernel, sm_90a, kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
@@ -113,7 +115,7 @@
 //    -> 13.1 / 14.8 / 17.4 / 21.0, 8192 x 8192 13.1 / 15.5 / 17.8 / 21.8 -> 14.1 / 16.3 / 19.0 / 23.1 (28672 x
 //    8192 k=3 43.3 -> 42.7 the one gain); M=4 alike.
 //
-// 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1 but 8 and 9)
+// 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1 but 8, 9 and 11)
 //    k-steps of grid split s: [s*ks_per_split, ...); inside: WARPS_K contiguous chunks.
 //    Example K_pad = 4096 (32 k-steps), k_splits = 2, WARPS_K = 4: split 0 = steps 0..15, warp
 //    wk = 0..3 gets steps 4wk..4wk+3 of it. Epilogue: warps wk > 0 write fp32 partials to smem, warp
@@ -134,11 +136,11 @@
 //    are resident at once; where all fit, 0.1-0.6 us faster), or pushing splits 1.. into split 0's shared memory with
 //    st.async (2-3% faster with 2 splits, 28672 x 8192; slower with 4). Counters 128 B apart: no change.
 //    docs/kernel.md "The split-K tail taken apart".
-//    Configs 8, 9 (shared-A, WARPS_K = 2): the A slot of a CTA step holds the k-step of each k warp's chunk
+//    Configs 8, 9, 11 (shared-A, WARPS_K = 2, 2, 4): the A slot of a CTA step holds the k-step of each k warp's chunk
 //    (k_begin + wk * chunk + i); where a split's k-steps are odd the second chunk is one shorter and its warp
 //    multiplies its stale weight registers by zero-filled A for that step (a branch around the compute instead
 //    cost 5-30%: ptxas then no longer overlapped consecutive steps).
-//    Consecutive calls overlap (configs 0-5, 8-10; programmatic dependent launch, sm_90): a kernel waits for the
+//    Consecutive calls overlap (configs 0-5, 8-11; programmatic dependent launch, sm_90): a kernel waits for the
 //    previous one (griddepcontrol.wait) before its first global access and lets the next one launch once its
 //    loads are issued (after the k-loop; the register-weight loop at its last k-step), so the next call's CTAs
 //    fill the slots of this call's split-K tail: H100 back to back, M = 1 0-9% faster (14336 x 4096 k = 2 12.5
@@ -1320,8 +1322,9 @@ template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_, int WAR
           bool BLOCK_COLUMNS_ = false>
 struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true, BLOCK_COLUMNS_> {
     using Base = KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true, BLOCK_COLUMNS_>;
-    static_assert(WARPS_N_ * WARPS_K_ == 8 || (WARPS_K_ == 1 && WARPS_N_ == 7),
-                  "8 warps = WARPS_N x WARPS_K, or 7 along n (224-row tiles, section 5)");
+    static_assert(WARPS_N_ * WARPS_K_ == 8 || (WARPS_K_ == 1 && WARPS_N_ == 7) ||
+                      (WARPS_N_ * WARPS_K_ == 16 && CTAS_PER_SM_ == 1),
+                  "8 warps = WARPS_N x WARPS_K, 7 along n (224-row tiles), or 16 in a CTA per SM (config 11)");
     // With WARPS_K > 1 the CTA's k-steps are cut into WARPS_K contiguous chunks (one per warp along k, so each warp
     // streams its weight rows in order); a "CTA step" is step i of every chunk: an A slot holds WARPS_K k-steps
     static constexpr int A_STEP_K = UNIT_K * WARPS_K_;
