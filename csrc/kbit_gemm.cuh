@@ -1107,7 +1107,8 @@ struct CtaSync {
 template <class Cfg, class Sync = CtaSync>
 __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4], const KbitGemmParams& p,
                                                int tile_id, int wn, bool is_writer, int lane, int* s_flag,
-                                               Sync sync = Sync(), int split = -1, int n_splits = 0) {
+                                               Sync sync = Sync(), int split = -1, int n_splits = 0, int reader = 0,
+                                               int readers = 1) {
     constexpr int F = Cfg::ACC_FLOATS;
     if (split < 0) split = blockIdx.y, n_splits = p.k_splits;
     const long long slot_base = (long long)tile_id * n_splits * Cfg::TILE_FLOATS;
@@ -1139,9 +1140,13 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
 #ifdef KBIT_PROBE_SPLITK_NO_READS // timing probe only: the last CTA stores its own partial as C
     return true;
 #endif
-    if (is_writer) {
+    if (readers > 1 || is_writer) {
+        // readers > 1: the warps along k of a row split the slots, reader r the r-th contiguous share, to be summed
+        // in reader order by the caller (reduce_warps_k): each warp's loads then leave in one batch
+        const int share = (n_splits + readers - 1) / readers;
+        const int sp_end = min(n_splits, (reader + 1) * share);
         zero_acc<Cfg>(acc);
-        for (int sp = 0; sp < n_splits; sp++) { // ptxas unrolls by 4 and issues the 4 slots' loads together
+        for (int sp = reader * share; sp < sp_end; sp++) { // ptxas unrolls by 4 and issues 4 slots' loads together
             const float* g_slot = p.partials + slot_base + (long long)sp * Cfg::TILE_FLOATS + wn * F * 32;
 #pragma unroll
             for (int mt = 0; mt < Cfg::MT; mt++)
@@ -1774,9 +1779,16 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
 #endif
         __syncthreads();
         const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
-        const bool last = reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag);
+#ifndef KBIT_SPLITK_SHARED_READS
+#define KBIT_SPLITK_SHARED_READS 1
+#endif
+        constexpr int READERS = KBIT_SPLITK_SHARED_READS && Cfg::MB >= 2 ? WK : 1;
+        const bool last = reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag, CtaSync(), -1, 0,
+                                              READERS > 1 ? wk : 0, READERS);
         KBIT_TIMELINE(4);
         if (!last) return;
+        if constexpr (READERS > 1) // the slot barriers above ordered the first k-reduction's reads before this
+            reduce_warps_k<Cfg>(acc, reinterpret_cast<float*>(s_mem + Cfg::LUT_WORDS), wn, wk, lane);
     }
     if (wk == 0) store_output<Cfg, T>(acc, p, n16_base * UNIT_ROWS, m_base, lane);
     KBIT_TIMELINE(5);
