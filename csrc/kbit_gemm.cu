@@ -161,10 +161,33 @@ static bool config_available(int id) {
 // >= 6 x SMs: enough work per SM that split-K keeps the 256-row CTAs busy. 4096 x 4096 (512) stays
 // below, 4096 x 4096 M=128 (1024) and 4096 x 14336 M=64 (1792; wide 41.1 vs 44.6) above.
 constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
-// At M <= 16 the per-warp configs 0-1 (64-row CTAs) take over below 3 x SMs of shared-A work: with the
-// weights in registers config 2 beats them on 4096 x 4096 (512), H100 k = 4 M=1 10.4 vs 10.8 us, M=8 10.7
-// vs 12.1, k = 2 M=1 9.0 vs 9.9; 1024 x 4096 (128) stays per-warp (M=1 6.5 vs 7.4)
-constexpr int PER_WARP_MAX_STEPS_PER_SM = 3;
+// At M <= 16 the per-warp configs 0-1 (64-row CTAs) take over below 1.5 x SMs of shared-A work (CTA tiles x
+// k-steps < 3 per 2 SMs). With the weights in registers config 2 beats them on 4096 x 4096 (512), H100 k = 4
+// M=1 10.4 vs 10.8 us, M=8 10.7 vs 12.1; 1024 x 4096 (128) stays per-warp (M=1 6.5 vs 7.4). The limit was 3 x
+// SMs until a sweep of 11 small shapes (H100, us, forced, dev/probe_paths.py; per-warp vs the best shared-A
+// config, k = 2 / 3 / 4 / 5):
+//   M=16: 3584 x 3584 (392) 10.0 / 10.4 / 11.4 / 12.8 vs 7.6 / 8.4 / 8.8 / 9.5; 3072 x 3072 (288) 8.8 / 8.8 / 9.8 /
+//     10.5 vs 6.8 / 7.2 / 7.6 / 8.7; 2048 x 4096 (256) 7.9 / 7.8 / 8.6 / 9.2 vs 6.9 / 7.2 / 7.5 / 8.8; 1024 x 8192
+//     (256) 9.1 / 9.1 / 9.8 / 10.4 vs 7.2 / 7.5 / 7.9 / 9.4; 2560 x 2560 (200) 7.4 / 7.2 / 8.0 / 8.7 vs 6.9 / 7.2 /
+//     7.5 / 8.5; but 2048 x 2048 (128) 5.6 / 5.5 / 5.9 / 6.1 vs 6.6 / 6.6 / 6.9 / 7.9, 1024 x 4096 (128) 6.2 / 6.1 /
+//     6.5 / 6.7 vs 6.8 / 6.8 / 7.2 / 8.6
+//   M=1: 3584 x 3584 6.4 / 6.7 / 7.7 / 9.6 vs 5.9 / 6.5 / 6.8 / 7.6; 3072 x 3072 5.7 / 6.0 / 6.8 / 7.7 vs 5.6 / 5.9 /
+//     6.2 / 7.1; 2048 x 4096 5.4 / 5.5 / 6.0 / 7.0 vs 5.4 / 5.6 / 5.7 / 6.8; 2560 x 2560 5.1 / 5.4 / 5.9 / 6.9 vs 5.3
+//     / 5.6 / 5.8 / 6.6; 2048 x 2048 4.2 / 4.8 / 5.1 / 5.5 vs 5.3 / 5.2 / 5.4 / 6.3
+constexpr int PER_WARP_MAX_STEPS_PER_2_SMS = 3;
+// ...and at M = 9..16 below 0.75 x SMs (k = 5: 1.5 x SMs, where config 1 stays ahead on 2048 x 2048, 4096 x 1024 and
+// 1024 x 4096 at M = 16: 6.2 / 5.9 / 6.8 against 6.6 / 6.6 / 7.1 us for one tile per CTA), for weights of at most ONE_TILE_MID_M_MAX_WEIGHT elements take one token
+// tile per CTA, two tiles on the grid (config 2's plan: 8 or 10 as at M <= 8): such a weight stays in the L2 for the
+// second tile, and twice the CTAs beat the two-tile configs (and the per-warp config 1) that a few wide tiles leave
+// short of work. H100, us, M = 16, forced, the former choice -> one tile per CTA, k = 2 / 3 / 4 / 5: 2048 x 4096 (9)
+// 7.0 / 7.3 / 7.5 / 9.2 -> (8) 5.9 / 6.0 / 6.5 / 7.3; 1024 x 8192 (9) 7.2 / 7.6 / 7.9 / 9.5 -> (8) 6.0 / 6.3 / 6.9 /
+// 7.6; 2560 x 2560 (1) 7.5 / 7.3 / 8.1 / 8.8 -> (10) 5.7 / 5.9 / 6.4 / 7.1; 4096 x 2048 (1) 7.5 / 7.4 / 8.1 / 8.7 ->
+// (2) 6.0 / 6.0 / 6.5 / 7.4; 2048 x 2048 (1) 5.7 / 5.5 / 5.9 / 6.2 -> (10) 5.4 / 5.4 / 5.8 / 6.7; 1024 x 4096 (1) 6.2 /
+// 6.1 / 6.6 / 6.8 -> (8) 5.6 / 5.5 / 6.0 / 7.0. Larger weights keep two tiles per CTA: 3072 x 3072 (9.4M elements)
+// 6.9 / 7.2 / 7.6 / 8.8 (9, 3) against 7.7 / 7.9 / 8.5 / 10.5 for one; 1536 x 1536 stays per-warp (5.3 / 5.1 / 5.4 /
+// 5.6 against 5.5 / 5.5 / 6.0 / 6.7).
+constexpr int PER_WARP_MID_M_MAX_STEPS_PER_4_SMS = 3;
+constexpr long long ONE_TILE_MID_M_MAX_WEIGHT = 1LL << 23;
 // With few wide tiles the wgmma config takes M > 32 (below, the 32-token config 4). H100, 4096 x 4096, us,
 // config 6 vs what the former M > 64 rule picked at M=64: k=2 22.7 vs 27.1, k=3 25.5 vs 31.8, k=4 19.0
 // vs 21.7, k=5 28.9 vs 38.1
@@ -191,7 +214,10 @@ constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 64;
 //     28.9 (28.7 / 29.4); k = 2 and 5 of the 70B shapes (28672 x 8192 k = 5 109.6 / 115.5, config 6 116.0 / 117.0)
 constexpr int MID_M_MAX = 32;
 constexpr long long MID_M_WGMMA_K4_MIN_WEIGHT = 1LL << 27;
-constexpr int PER_WARP_SMALL_M_MAX = 4;  // configs 0 (A in the ring) up to here, then 1
+// configs 0 (one token tile, A in the ring) up to here, then 1 (two tiles): at M = 5..8 config 1's second tile is
+// empty. H100, us, M = 8, config 1 -> 0, k = 2 / 3 / 4 / 5: 1024 x 4096 6.1 / 6.0 / 6.4 / 6.7 -> 5.0 / 5.0 / 5.4 / 5.7,
+// 512 x 3584 5.6 / 5.5 / 5.7 / 5.9 -> 4.6 / 4.7 / 4.8 / 5.3, 2048 x 2048 5.5 / 5.3 / 5.7 / 6.0 -> 5.0 / 4.8 / 5.6 / 5.4
+constexpr int PER_WARP_SMALL_M_MAX = 8;
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
                                                  // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS)
@@ -215,13 +241,34 @@ constexpr int MAX_SPLITS = 16;
 //   20.5; 8192 x 28672 (8 of 28) M=16 42.0 / 47.9 / 52.8 / 64.1 -> 44.5 / 52.6 / 54.8 / 69.6; 28672 x 8192 (2 of 32)
 //   M=16 44.8 / 53.2 / 55.6 / 69.2 -> 46.9 / 56.1 / 57.4 / 74.2 (M=1 36.2 / 44.0 / 49.1 / 61.8 -> 35.3 / 44.0 / 48.6
 //   / 61.0). Four or eight warps along k were slower everywhere (docs/kernel.md).
-// k = 5 takes them only for splits of 4 k-steps or fewer: with splits of 7 the second warp along k lost at M = 8 and 16
-// (even at M = 1).
+// k = 5 took them only for splits of 4 k-steps or fewer: with splits of 7 the second warp along k lost at M = 8 and 16
+// (even at M = 1). These are the rules above 16 tokens (config 3 for small weights) and, at k = 5, at M = 9..16; the
+// sweep below replaced them at M <= 8 and, for k <= 4, at M = 9..16.
 // H100, us, forced, two rounds, config 2 / 8 at M = 8, 3 / 9 at M = 16, k = 5 (k = 4 for comparison):
 //   4096 x 14336 (16 splits of 7): M=8 17.3 / 18.4, 17.5 / 18.9 (k = 4 15.3 / 15.1); M=16 22.6 / 24.2, 22.7 / 24.1
 //     (k = 4 19.4 / 18.8); M=1 17.1 / 17.4, 17.8 / 17.5 (even)
 //   4096 x 4096 (8 of 4): M=16 10.8 / 10.5, 10.7 / 10.4; 2048 x 8192 (16 of 4): M=16 11.8 / 11.0, 11.7 / 11.0
 constexpr int WARPS_K_MIN_SPLITS = 8, WARPS_K_MAX_SPLIT_STEPS = 7, WARPS_K_MAX_SPLIT_STEPS_K5 = 4;
+// A sweep of 22 LLM shapes later (H100, us, forced, dev/probe_paths.py, two passes agreeing within 0.3; docs/kernel.md
+// "The dispatcher over 22 shapes") widened two cases, k = 2 / 3 / 4 / 5:
+// - one token tile at M <= WARPS_K_ANY_STEPS_MAX_M (8): config 8 once config 2 (or 10) plans >= 8 splits, of any
+//   length and at any k. Config 2 or 10 -> 8 at M = 1: 8192 x 8192 (8 splits of 8) 11.7 / 13.2 / 15.2 / 18.3 -> 11.5 / 12.7 /
+//   14.7 / 17.9; 5120 x 13824 (13 of 9) 13.1 / 15.1 / 16.7 / 20.4 -> 12.8 / 14.0 / 15.8 / 19.8; 3584 x 18944 (16 of
+//   10) 13.2 / 15.0 / 16.6 / 20.3 -> 12.9 / 14.2 / 15.9 / 19.9; k = 5 4096 x 14336 (16 of 7) 16.7 -> 16.0, 4096 x 11008
+//   15.1 -> 14.0, 2048 x 14336 13.1 -> 11.3. M = 8 alike: 5120 x 13824 (10) 14.1 / 16.0 / 17.6 / 21.3 -> 13.3 /
+//   15.3 / 17.2 / 20.9, 3584 x 18944 (10) 13.9 / 16.1 / 17.4 / 20.8 -> 13.3 / 15.5 / 17.3 / 20.8, 2048 x 14336 k = 5
+//   14.2 -> 11.8; 8192 x 8192 12.1 / 13.8 / 15.7 / 18.7 -> 11.9 / 14.0 / 16.0 / 18.9 (even).
+// - two token tiles (M = 9..16) at k <= 4: config 9 from 4 splits of up to 10 k-steps. Config 3 -> 9 at M = 16:
+//   3584 x 18944 (16 of 10) 18.2 / 21.4 / 21.9 -> 16.9 / 19.3 / 20.4; 5120 x 13824 (13 of 9) 17.2 / 19.7 / 20.9 ->
+//   16.6 / 19.1 / 20.1; 11008 x 4096 (6 of 6) 13.1 / 14.2 / 14.8 -> 12.3 / 14.0 / 15.0; 8192 x 3072 (6 of 4) 10.3 /
+//   10.6 / 11.2 -> 9.3 / 10.6 / 11.1; 8192 x 2048 (4 of 4) 7.7 / 8.6 / 9.2 -> 7.2 / 8.1 / 8.7; 8192 x 8192 (8 of 8)
+//   15.9 / 17.8 / 19.0 -> 15.5 / 17.8 / 19.1. Longer splits stay on config 3: 8192 x 28672 (8 of 28) 40.6 / 49.4 /
+//   52.6 -> 44.0 / 53.0 / 56.6, 18944 x 3584 (3 of 10) 16.7 -> 20.6 at k = 2. k = 5 keeps the rule above (8192 x 2048:
+//   9.9 -> 10.3, 8192 x 8192 22.8 -> 24.9).
+constexpr int WARPS_K_ANY_STEPS_MAX_M = 8;
+// ...where config 9 keeps 90% of config 3's CTAs: its warps along k need 8 k-steps per split, so 3584 x 3584 gets 3
+// splits (84 CTAs) where config 3 runs 7 (98): M = 9, k = 2 / 3 / 4, config 3 7.3 / 8.3 / 8.3 against 8.2 / 9.2 / 9.7.
+constexpr int WARPS_K_MB2_MIN_SPLITS = 4, WARPS_K_MB2_MAX_SPLIT_STEPS = 10, WARPS_K_MB2_MIN_CTAS_PCT = 90;
 constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)
 // The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
 // (A counter region sized per call let one call's partial sums land where a later call with more
@@ -400,6 +447,18 @@ constexpr int SEVEN_WARP_CONFIG = 10;
 //   14.3-14.5 / 16.5-16.7, against config 9), and with two waves slower (28672 x 8192 k = 2: 43.9 -> 52.5).
 //   docs/kernel.md "Sixteen warps per CTA at M = 16".
 constexpr int SIXTEEN_WARP_MIN_STEPS_PER_WARP = 4;
+// Both ask config 11's CTAs to fill 70% of the SMs: 8192 x 2048 at M = 16 (64 CTAs) ran 7.7 / 8.7 / 9.1 / 11.0 us
+// against config 9's 7.2 / 8.2 / 8.7 (and config 3's 10.1 at k = 5).
+// Config 11 also where config 3 would cut K into >= 12 splits and config 11's CTAs (4x fewer splits) fill 70% of the
+// SMs: at k = 5, where config 9 is slow, and at any k where its warps' chunks are 4 k-steps or shorter. H100, us,
+// forced, M = 16, the dispatcher's former choice (config 3 or 9) -> 11, k = 5: 4096 x 14336 21.8 -> 21.1, 4096 x 11008
+// 19.7 -> 18.4, 3584 x 18944 26.8 -> 25.9, 5120 x 13824 25.1 -> 24.9, 3072 x 8192 15.0 -> 13.5, 2048 x 14336 18.2 ->
+// 14.2 (M = 9 alike: 20.9 -> 20.2, 18.8 -> 17.5, 25.9 -> 25.0, 24.2 -> 24.0, 14.5 -> 13.1, 14.1 -> 13.7); k = 2 / 3 /
+// 4 with chunks of 4: 3072 x 8192 9.9 / 11.4 / 12.1 -> 9.7 / 11.0 / 11.8, 2048 x 14336 10.6 / 11.9 / 12.5 -> 10.1 /
+// 11.5 / 12.3. At k = 5 also from 8 splits of at most 4 k-steps (config 9's range at k = 5): 6144 x 4096 M = 16 / 9
+// 14.8 / 14.7 -> 13.6 / 13.6. Not taken: 8 splits (8192 x 8192 k = 5: 22.8 -> 23.2), longer chunks at k <= 4 (4096 x 14336, chunks
+// of 7: 16.2 -> 16.7 at k = 3), fewer CTAs (2048 x 8192, 64 CTAs: 10.5 -> 12.3 at k = 5).
+constexpr int SIXTEEN_WARP_MANY_SPLITS = 12, SIXTEEN_WARP_MIN_FILL_PCT = 70, SIXTEEN_WARP_SHORT_CHUNK = 4;
 static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
     const ConfigInfo c = config_info(config);
     const int splits = choose_splits(c, M, N, K_dim, sm_count);
@@ -422,8 +481,12 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         config = FIRST_WGMMA_CONFIG; // the wide tile with wgmma (kbit_gemm_wgmma.cuh), every k
     if (config == WIDE_CONFIG && (device_smem_optin() < 226 * 1024 || !enough_work(config)))
         config = WIDE_CONFIG - 1; // 32-token tiles: twice the CTAs, 112 KB
-    if (M <= PER_WARP_MAX_M && tiles(config) * k_steps < PER_WARP_MAX_STEPS_PER_SM * sms)
+    if (M <= PER_WARP_MAX_M &&
+        (M <= 8 || k_bits == 5 ? 2 * tiles(config) * k_steps < PER_WARP_MAX_STEPS_PER_2_SMS * sms
+                               : 4 * tiles(config) * k_steps < PER_WARP_MID_M_MAX_STEPS_PER_4_SMS * sms))
         config = M <= PER_WARP_SMALL_M_MAX ? 0 : 1;
+    else if (M > 8 && M <= PER_WARP_MAX_M && (long long)N * K_dim <= ONE_TILE_MID_M_MAX_WEIGHT)
+        config = FIRST_SHARED_A_CONFIG; // one token tile per CTA, two on the grid
     const long long units = (long long)ceil_div(N, UNIT_ROWS) * k_steps;
     if (M > PER_WARP_MAX_M && M <= (k_bits == 5 ? SMALL_WEIGHT_MB2_MAX_M_K5 : SMALL_WEIGHT_MB2_MAX_M) &&
         units < SMALL_WEIGHT_MAX_UNITS_PER_SM * sms)
@@ -437,22 +500,45 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
                  (k_bits == 3 || (k_bits == 4 && (long long)N * K_dim >= MID_M_WGMMA_K4_MIN_WEIGHT)))
             config = FIRST_WGMMA_CONFIG;
     }
+    // config 11 (128-row tiles, one 16-warp CTA per SM) for config 3's work planned as `splits3` splits
+    const auto sixteen_warps_win = [&](int splits3) {
+        if (!config_available(SIXTEEN_WARP_CONFIG)) return false;
+        const long long t = tiles(SIXTEEN_WARP_CONFIG), ctas3 = tiles(FIRST_SHARED_A_CONFIG + 1) * splits3;
+        // all resident without split-K, filling as large a share of the SMs as config 3's CTAs fill of its slots
+        if (t <= sms && 2 * t >= ctas3 && 100 * t >= SIXTEEN_WARP_MIN_FILL_PCT * sms &&
+            k_steps >= SIXTEEN_WARP_MIN_STEPS_PER_WARP * 4)
+            return true;
+        // or a quarter of config 3's many splits (SIXTEEN_WARP_MANY_SPLITS), or at k = 5 of the short ones that would
+        // take config 9 at k <= 4
+        const bool short_k5 = k_bits == 5 && splits3 >= WARPS_K_MIN_SPLITS &&
+                              ceil_div(k_steps, splits3) <= WARPS_K_MAX_SPLIT_STEPS_K5;
+        if (M > PER_WARP_MAX_M || (splits3 < SIXTEEN_WARP_MANY_SPLITS && !short_k5)) return false;
+        const int splits11 = choose_splits(config_info(SIXTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
+        const long long chunk = ceil_div(ceil_div(k_steps, splits11), 4); // k-steps per warp along k
+        return 100 * t * splits11 >= SIXTEEN_WARP_MIN_FILL_PCT * sms &&
+               (k_bits == 5 || chunk <= SIXTEEN_WARP_SHORT_CHUNK);
+    };
     if (config == FIRST_SHARED_A_CONFIG || config == FIRST_SHARED_A_CONFIG + 1) {
         const int splits = choose_splits(config_info(config), M, N, K_dim, sm_count);
-        const int max_split_steps = k_bits == 5 ? WARPS_K_MAX_SPLIT_STEPS_K5 : WARPS_K_MAX_SPLIT_STEPS;
-        if (!mid_m_l2 && splits >= WARPS_K_MIN_SPLITS && ceil_div(k_steps, splits) <= max_split_steps)
-            config += WARPS_K_CONFIG_OFFSET; // two warps along k: half the splits
+        const long long split_steps = ceil_div(k_steps, splits);
+        bool warps_k; // two warps along k (configs 8, 9): half the splits
+        if (config == FIRST_SHARED_A_CONFIG && M <= WARPS_K_ANY_STEPS_MAX_M)
+            warps_k = splits >= WARPS_K_MIN_SPLITS;
+        else if (config == FIRST_SHARED_A_CONFIG + 1 && M <= PER_WARP_MAX_M && k_bits != 5)
+            warps_k = splits >= WARPS_K_MB2_MIN_SPLITS && split_steps <= WARPS_K_MB2_MAX_SPLIT_STEPS &&
+                      100 * tiles(config + WARPS_K_CONFIG_OFFSET) *
+                              choose_splits(config_info(config + WARPS_K_CONFIG_OFFSET), M, N, K_dim, sm_count) >=
+                          WARPS_K_MB2_MIN_CTAS_PCT * tiles(config) * splits;
+        else
+            warps_k = splits >= WARPS_K_MIN_SPLITS &&
+                      split_steps <= (k_bits == 5 ? WARPS_K_MAX_SPLIT_STEPS_K5 : WARPS_K_MAX_SPLIT_STEPS);
+        if (config == FIRST_SHARED_A_CONFIG + 1 && !mid_m_l2 && sixteen_warps_win(splits))
+            config = SIXTEEN_WARP_CONFIG; // the k chunks summed in shared memory instead of (most of the) split-K
+        else if (!mid_m_l2 && warps_k)
+            config += WARPS_K_CONFIG_OFFSET;
         else if (config == FIRST_SHARED_A_CONFIG &&
                  sm_load(SEVEN_WARP_CONFIG, M, N, K_dim, sm_count) < sm_load(config, M, N, K_dim, sm_count))
             config = SEVEN_WARP_CONFIG; // 224-row tiles: less work on the busiest SM
-    }
-    if (config == FIRST_SHARED_A_CONFIG + 1 && !mid_m_l2 && config_available(SIXTEEN_WARP_CONFIG)) {
-        // 128-row tiles, one 16-warp CTA per SM, all resident without split-K and filling as large a share of the SMs
-        // as config 3's CTAs fill of its slots (two per SM)
-        const long long t = tiles(SIXTEEN_WARP_CONFIG);
-        const long long ctas3 = tiles(config) * choose_splits(config_info(config), M, N, K_dim, sm_count);
-        if (t <= sms && 2 * t >= ctas3 && k_steps >= SIXTEEN_WARP_MIN_STEPS_PER_WARP * 4)
-            config = SIXTEEN_WARP_CONFIG; // the k chunks summed in shared memory instead of split-K
     }
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }
@@ -918,6 +1004,12 @@ size_t ckbit_gemm_workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_co
 }
 
 int ckbit_gemm_num_configs(void) { return kbit::NUM_CONFIGS; }
+
+// the dispatcher's plan for this call on the current device: config + 256 * k splits (benchmarks and tests print it)
+int ckbit_gemm_plan(int M, int N, int K_dim, int k_bits, int sm_count) {
+    const kbit::Dispatch d = kbit::select_config(M, N, K_dim, k_bits, sm_count);
+    return d.config + 256 * d.k_splits;
+}
 
 // 1 when the dispatcher wants the staged path (dequantize + cuBLAS) for this call on the current device
 int ckbit_gemm_staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {

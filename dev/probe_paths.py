@@ -16,7 +16,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarking")
 from timing import copies_to_defeat_l2, median_us_graphs_interleaved
 
 import bitsandbytes_kbit.functional as F
+from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
 from bitsandbytes_kbit.backends.cuda.ops import gemm_num_configs, kbit_gemm_cuda
+
+
+def plan_text(M, N, K, k) -> str:
+    """The dispatcher's (config, splits) for the fused path, where the library exports it."""
+    try:
+        config, splits = cuda_ops.gemm_plan(M, N, K, k)
+    except AttributeError:  # an older library (BNB_KBIT_LIBRARY) without ckbit_gemm_plan
+        return ""
+    return f"  plan=c{config}/s{splits}"
 
 PRODUCE_A = False  # --produce-a: an elementwise kernel writes A right before each call (as a norm would)
 
@@ -145,7 +155,7 @@ def main():
                     elif name in times:
                         err = errors.get(name, 0.0)
                         cells.append(f"{name}={times[name]:7.1f}" + ("" if err < 5e-3 else f"(ERR {err:.1e})"))
-                print(f"{shape:>11} k={k} M={M:<5} " + "  ".join(cells), flush=True)
+                print(f"{shape:>11} k={k} M={M:<5} " + "  ".join(cells) + plan_text(M, N, K, k), flush=True)
 
 
 if __name__ == "__main__":

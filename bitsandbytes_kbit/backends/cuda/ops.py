@@ -56,6 +56,7 @@ def entry_point_names() -> list[str]:
         "ckbit_gemm_workspace_bytes",
         "ckbit_gemm_num_configs",
         "ckbit_gemm_config_available",
+        "ckbit_gemm_plan",
         "ckbit_gemm_staged_preferred",
         "ckbit_error_string",
         "ckbit_last_error",
@@ -194,6 +195,19 @@ def gemm_config_available(config: int, device=None) -> bool:
     lib.ckbit_gemm_config_available.argtypes = [ct.c_int]
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         return bool(lib.ckbit_gemm_config_available(config))
+
+
+def gemm_plan(M: int, N: int, K_dim: int, k: int, sm_count: int = 0, device=None) -> tuple[int, int]:
+    """(config, k splits) the fused kernel's dispatcher picks for this call on ``device`` (the current one by
+    default; ``sm_count`` > 0 plans for that many SMs instead of the device's), for benchmarks and tests."""
+    lib = get_lib()
+    lib.ckbit_gemm_plan.restype = ct.c_int
+    lib.ckbit_gemm_plan.argtypes = [ct.c_int] * 5
+    index = torch.device(device if device is not None else torch.cuda.current_device()).index
+    index = torch.cuda.current_device() if index is None else index
+    with torch.cuda.device(index):
+        plan = lib.ckbit_gemm_plan(M, N, K_dim, k, sm_count or _sm_count(index))
+    return plan % 256, plan // 256
 
 
 def _dequantize_tiled_block(B_packed, B_absmax, codebook, k, N, K_dim, n_begin, n_end, k_begin, k_end, out) -> None:
