@@ -176,16 +176,16 @@ constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
 //     / 5.6 / 5.8 / 6.6; 2048 x 2048 4.2 / 4.8 / 5.1 / 5.5 vs 5.3 / 5.2 / 5.4 / 6.3
 constexpr int PER_WARP_MAX_STEPS_PER_2_SMS = 3;
 // ...and at M = 9..16 below 0.75 x SMs (k = 5: 1.5 x SMs, where config 1 stays ahead on 2048 x 2048, 4096 x 1024 and
-// 1024 x 4096 at M = 16: 6.2 / 5.9 / 6.8 against 6.6 / 6.6 / 7.1 us for one tile per CTA), for weights of at most ONE_TILE_MID_M_MAX_WEIGHT elements take one token
-// tile per CTA, two tiles on the grid (config 2's plan: 8 or 10 as at M <= 8): such a weight stays in the L2 for the
-// second tile, and twice the CTAs beat the two-tile configs (and the per-warp config 1) that a few wide tiles leave
-// short of work. H100, us, M = 16, forced, the former choice -> one tile per CTA, k = 2 / 3 / 4 / 5: 2048 x 4096 (9)
-// 7.0 / 7.3 / 7.5 / 9.2 -> (8) 5.9 / 6.0 / 6.5 / 7.3; 1024 x 8192 (9) 7.2 / 7.6 / 7.9 / 9.5 -> (8) 6.0 / 6.3 / 6.9 /
-// 7.6; 2560 x 2560 (1) 7.5 / 7.3 / 8.1 / 8.8 -> (10) 5.7 / 5.9 / 6.4 / 7.1; 4096 x 2048 (1) 7.5 / 7.4 / 8.1 / 8.7 ->
-// (2) 6.0 / 6.0 / 6.5 / 7.4; 2048 x 2048 (1) 5.7 / 5.5 / 5.9 / 6.2 -> (10) 5.4 / 5.4 / 5.8 / 6.7; 1024 x 4096 (1) 6.2 /
-// 6.1 / 6.6 / 6.8 -> (8) 5.6 / 5.5 / 6.0 / 7.0. Larger weights keep two tiles per CTA: 3072 x 3072 (9.4M elements)
-// 6.9 / 7.2 / 7.6 / 8.8 (9, 3) against 7.7 / 7.9 / 8.5 / 10.5 for one; 1536 x 1536 stays per-warp (5.3 / 5.1 / 5.4 /
-// 5.6 against 5.5 / 5.5 / 6.0 / 6.7).
+// 1024 x 4096 at M = 16: 6.2 / 5.9 / 6.8 against 6.6 / 6.6 / 7.1 us for one tile per CTA), for weights of at most
+// ONE_TILE_MID_M_MAX_WEIGHT elements take one token tile per CTA, two tiles on the grid (config 2's plan: 8 or 10 as at
+// M <= 8): such a weight stays in the L2 for the second tile, and twice the CTAs beat the two-tile configs (and the
+// per-warp config 1) that a few wide tiles leave short of work. H100, us, M = 16, forced, the former choice -> one tile
+// per CTA, k = 2 / 3 / 4 / 5: 2048 x 4096 (9) 7.0 / 7.3 / 7.5 / 9.2 -> (8) 5.9 / 6.0 / 6.5 / 7.3; 1024 x 8192 (9) 7.2 /
+// 7.6 / 7.9 / 9.5 -> (8) 6.0 / 6.3 / 6.9 / 7.6; 2560 x 2560 (1) 7.5 / 7.3 / 8.1 / 8.8 -> (10) 5.7 / 5.9 / 6.4 / 7.1;
+// 4096 x 2048 (1) 7.5 / 7.4 / 8.1 / 8.7 -> (2) 6.0 / 6.0 / 6.5 / 7.4; 2048 x 2048 (1) 5.7 / 5.5 / 5.9 / 6.2 -> (10) 5.4
+// / 5.4 / 5.8 / 6.7; 1024 x 4096 (1) 6.2 / 6.1 / 6.6 / 6.8 -> (8) 5.6 / 5.5 / 6.0 / 7.0. Larger weights keep two tiles
+// per CTA: 3072 x 3072 (9.4M elements) 6.9 / 7.2 / 7.6 / 8.8 (9, 3) against 7.7 / 7.9 / 8.5 / 10.5 for one; 1536 x 1536
+// stays per-warp (5.3 / 5.1 / 5.4 / 5.6 against 5.5 / 5.5 / 6.0 / 6.7).
 constexpr int PER_WARP_MID_M_MAX_STEPS_PER_4_SMS = 3;
 constexpr long long ONE_TILE_MID_M_MAX_WEIGHT = 1LL << 23;
 // With few wide tiles the wgmma config takes M > 32 (below, the 32-token config 4). H100, 4096 x 4096, us,
@@ -218,6 +218,16 @@ constexpr long long MID_M_WGMMA_K4_MIN_WEIGHT = 1LL << 27;
 // empty. H100, us, M = 8, config 1 -> 0, k = 2 / 3 / 4 / 5: 1024 x 4096 6.1 / 6.0 / 6.4 / 6.7 -> 5.0 / 5.0 / 5.4 / 5.7,
 // 512 x 3584 5.6 / 5.5 / 5.7 / 5.9 -> 4.6 / 4.7 / 4.8 / 5.3, 2048 x 2048 5.5 / 5.3 / 5.7 / 6.0 -> 5.0 / 4.8 / 5.6 / 5.4
 constexpr int PER_WARP_SMALL_M_MAX = 8;
+// ...for weights of at most this many rows at M = 5..8: each 64-row CTA of config 0 copies its own A, so its A
+// traffic grows with N (M = 8, config 1 / 0: 4096 x 1024 5.1-5.6 / 5.9-6.7, 4096 x 1536 6.9 / 8.1 at k = 2)
+constexpr int PER_WARP_RING_A_MAX_N = 2048;
+// Short K (8..15 k-steps: config 8 needs no split-K and each warp along k gets 4 or more) on weights of 4096 rows or
+// more: config 8 at M <= 16. H100, us, the former choice -> config 8, k = 2 / 4: 8192 x 1024 M = 1 5.2 / 5.7
+// (config 10) -> 4.3 / 4.6, M = 16 5.7 / 6.4 (config 2) -> 4.7 / 5.5; 14336 x 1024 M = 8 5.6 / 6.7 -> 4.6 / 5.7;
+// 4096 x 1024 M = 1 4.9 / 5.4 (config 0) -> 4.3 / 4.4, M = 16 5.3 / 5.9 (config 10) -> 4.4 / 4.8; 4096 x 1536 M = 8
+// 8.1 / 8.5 (config 0) -> 5.7 / 6.3 (config 10 5.5 / 6.1). Narrower weights keep theirs (1024 x 1024, 2048 x 1024 at M
+// = 1: config 0 3.9-4.0 against 4.2-4.4).
+constexpr int SHORT_K_ONE_SPLIT_MIN_N = 4096;
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
                                                  // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS)
@@ -252,12 +262,12 @@ constexpr int WARPS_K_MIN_SPLITS = 8, WARPS_K_MAX_SPLIT_STEPS = 7, WARPS_K_MAX_S
 // A sweep of 22 LLM shapes later (H100, us, forced, dev/probe_paths.py, two passes agreeing within 0.3; docs/kernel.md
 // "The dispatcher over 22 shapes") widened two cases, k = 2 / 3 / 4 / 5:
 // - one token tile at M <= WARPS_K_ANY_STEPS_MAX_M (8): config 8 once config 2 (or 10) plans >= 8 splits, of any
-//   length and at any k. Config 2 or 10 -> 8 at M = 1: 8192 x 8192 (8 splits of 8) 11.7 / 13.2 / 15.2 / 18.3 -> 11.5 / 12.7 /
-//   14.7 / 17.9; 5120 x 13824 (13 of 9) 13.1 / 15.1 / 16.7 / 20.4 -> 12.8 / 14.0 / 15.8 / 19.8; 3584 x 18944 (16 of
-//   10) 13.2 / 15.0 / 16.6 / 20.3 -> 12.9 / 14.2 / 15.9 / 19.9; k = 5 4096 x 14336 (16 of 7) 16.7 -> 16.0, 4096 x 11008
-//   15.1 -> 14.0, 2048 x 14336 13.1 -> 11.3. M = 8 alike: 5120 x 13824 (10) 14.1 / 16.0 / 17.6 / 21.3 -> 13.3 /
-//   15.3 / 17.2 / 20.9, 3584 x 18944 (10) 13.9 / 16.1 / 17.4 / 20.8 -> 13.3 / 15.5 / 17.3 / 20.8, 2048 x 14336 k = 5
-//   14.2 -> 11.8; 8192 x 8192 12.1 / 13.8 / 15.7 / 18.7 -> 11.9 / 14.0 / 16.0 / 18.9 (even).
+//   length and at any k. Config 2 or 10 -> 8 at M = 1: 8192 x 8192 (8 splits of 8) 11.7 / 13.2 / 15.2 / 18.3 ->
+//   11.5 / 12.7 / 14.7 / 17.9; 5120 x 13824 (13 of 9) 13.1 / 15.1 / 16.7 / 20.4 -> 12.8 / 14.0 / 15.8 / 19.8;
+//   3584 x 18944 (16 of 10) 13.2 / 15.0 / 16.6 / 20.3 -> 12.9 / 14.2 / 15.9 / 19.9; k = 5 4096 x 14336 (16 of 7) 16.7
+//   -> 16.0, 4096 x 11008 15.1 -> 14.0, 2048 x 14336 13.1 -> 11.3. M = 8 alike: 5120 x 13824 (10) 14.1 / 16.0 / 17.6 /
+//   21.3 -> 13.3 / 15.3 / 17.2 / 20.9, 3584 x 18944 (10) 13.9 / 16.1 / 17.4 / 20.8 -> 13.3 / 15.5 / 17.3 / 20.8, 2048 x
+//   14336 k = 5 14.2 -> 11.8; 8192 x 8192 12.1 / 13.8 / 15.7 / 18.7 -> 11.9 / 14.0 / 16.0 / 18.9 (even).
 // - two token tiles (M = 9..16) at k <= 4: config 9 from 4 splits of up to 10 k-steps. Config 3 -> 9 at M = 16:
 //   3584 x 18944 (16 of 10) 18.2 / 21.4 / 21.9 -> 16.9 / 19.3 / 20.4; 5120 x 13824 (13 of 9) 17.2 / 19.7 / 20.9 ->
 //   16.6 / 19.1 / 20.1; 11008 x 4096 (6 of 6) 13.1 / 14.2 / 14.8 -> 12.3 / 14.0 / 15.0; 8192 x 3072 (6 of 4) 10.3 /
@@ -456,8 +466,8 @@ constexpr int SIXTEEN_WARP_MIN_STEPS_PER_WARP = 4;
 // 14.2 (M = 9 alike: 20.9 -> 20.2, 18.8 -> 17.5, 25.9 -> 25.0, 24.2 -> 24.0, 14.5 -> 13.1, 14.1 -> 13.7); k = 2 / 3 /
 // 4 with chunks of 4: 3072 x 8192 9.9 / 11.4 / 12.1 -> 9.7 / 11.0 / 11.8, 2048 x 14336 10.6 / 11.9 / 12.5 -> 10.1 /
 // 11.5 / 12.3. At k = 5 also from 8 splits of at most 4 k-steps (config 9's range at k = 5): 6144 x 4096 M = 16 / 9
-// 14.8 / 14.7 -> 13.6 / 13.6. Not taken: 8 splits (8192 x 8192 k = 5: 22.8 -> 23.2), longer chunks at k <= 4 (4096 x 14336, chunks
-// of 7: 16.2 -> 16.7 at k = 3), fewer CTAs (2048 x 8192, 64 CTAs: 10.5 -> 12.3 at k = 5).
+// 14.8 / 14.7 -> 13.6 / 13.6. Not taken: 8 splits (8192 x 8192 k = 5: 22.8 -> 23.2), longer chunks at k <= 4 (4096 x
+// 14336, chunks of 7: 16.2 -> 16.7 at k = 3), fewer CTAs (2048 x 8192, 64 CTAs: 10.5 -> 12.3 at k = 5).
 constexpr int SIXTEEN_WARP_MANY_SPLITS = 12, SIXTEEN_WARP_MIN_FILL_PCT = 70, SIXTEEN_WARP_SHORT_CHUNK = 4;
 static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
     const ConfigInfo c = config_info(config);
@@ -484,9 +494,13 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
     if (M <= PER_WARP_MAX_M &&
         (M <= 8 || k_bits == 5 ? 2 * tiles(config) * k_steps < PER_WARP_MAX_STEPS_PER_2_SMS * sms
                                : 4 * tiles(config) * k_steps < PER_WARP_MID_M_MAX_STEPS_PER_4_SMS * sms))
-        config = M <= PER_WARP_SMALL_M_MAX ? 0 : 1;
+        config = M <= PER_WARP_SMALL_M_MAX && (M <= 4 || N <= PER_WARP_RING_A_MAX_N) ? 0 : 1;
     else if (M > 8 && M <= PER_WARP_MAX_M && (long long)N * K_dim <= ONE_TILE_MID_M_MAX_WEIGHT)
         config = FIRST_SHARED_A_CONFIG; // one token tile per CTA, two on the grid
+    // short K: config 8's two warps along k (>= 4 k-steps each) cannot be split further
+    if (M <= PER_WARP_MAX_M && N >= SHORT_K_ONE_SPLIT_MIN_N && k_steps >= 2 * MIN_STEPS_PER_REG_WEIGHT_CTA &&
+        k_steps < 2 * 2 * MIN_STEPS_PER_REG_WEIGHT_CTA)
+        return Dispatch{FIRST_SHARED_A_CONFIG + WARPS_K_CONFIG_OFFSET, 1};
     const long long units = (long long)ceil_div(N, UNIT_ROWS) * k_steps;
     if (M > PER_WARP_MAX_M && M <= (k_bits == 5 ? SMALL_WEIGHT_MB2_MAX_M_K5 : SMALL_WEIGHT_MB2_MAX_M) &&
         units < SMALL_WEIGHT_MAX_UNITS_PER_SM * sms)
