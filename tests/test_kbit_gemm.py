@@ -214,13 +214,15 @@ def test_cuda_gemm_plan():
     the same bits as the dispatcher's own call (split-K sums in a fixed order)."""
     from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available, gemm_num_configs, gemm_plan, kbit_gemm_cuda
 
-    shapes = ((1024, 4096), (2048, 4096), (4096, 14336), (14336, 4096), (8192, 1024), (28672, 8192), (1000, 576))
-    for (N, K_dim), M, k, sms in itertools.product(shapes, (1, 4, 8, 9, 16, 32, 64, 256), KS, (1, 66, 132, 1000)):
+    # checked against the reference too: the first 8 (narrow weights at M = 9..16, wider ones and short K at M = 5..8)
+    shapes = ((1024, 4096), (2048, 4096), (4096, 14336), (14336, 4096), (8192, 1024), (512, 2048), (3072, 2048),
+              (3072, 1024), (28672, 8192), (1000, 576))
+    for (N, K_dim), M, k, sms in itertools.product(shapes, (1, 4, 5, 8, 9, 16, 32, 64, 256), KS, (1, 66, 132, 1000)):
         config, splits = gemm_plan(M, N, K_dim, k, sm_count=sms)
         case = f"N={N} K={K_dim} M={M} k={k} sms={sms}: config {config}, {splits} splits"
         assert 0 <= config < gemm_num_configs() and gemm_config_available(config), case
         assert 1 <= splits <= 16, case
-    for (N, K_dim), M, k in itertools.product(shapes[:5], (1, 4, 9, 16), (2, 5)):
+    for (N, K_dim), M, k in itertools.product(shapes[:8], (1, 4, 5, 8, 9, 16), (2, 5)):
         packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda", M)
         Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
         A = torch.randn(M, K_dim, generator=seeded("plan", N, K_dim, M, k)).to("cuda", torch.float16)
