@@ -221,21 +221,14 @@ constexpr int PER_WARP_SMALL_M_MAX = 8;
 // ...for weights of at most this many rows at M = 5..8: each 64-row CTA of config 0 copies its own A, so its A
 // traffic grows with N (M = 8, config 1 / 0: 4096 x 1024 5.1-5.6 / 5.9-6.7, 4096 x 1536 6.9 / 8.1 at k = 2)
 constexpr int PER_WARP_RING_A_MAX_N = 2048;
-// Wider weights at M = 5..8 below the per-warp limit (N > 2048, so a short K: 3072 x 2048, 2560 x 2048, 3072 x 1536)
-// take the shared-A path instead of config 1, whose second token tile is empty there; config 10 or the short-K config 8
-// below (a short K at k = 5 keeps config 1: SHORT_K_ONE_SPLIT_MID_M_MIN_N). H100, us, M = 5 / 8, config 1 -> the new plan, k = 2 / 4: 3072 x 2048 6.9 / 6.9, 7.3 / 7.5 -> (10) 5.3 / 5.3,
-// 5.7 / 5.8; 2560 x 2048 6.6 / 6.7, 7.0 / 7.1 -> (10) 5.2 / 5.2, 5.6 / 5.8; 3584 x 1536 6.5 / 6.6, 7.0 / 7.2 -> (8) 5.4 /
-// 5.6, 6.4 / 6.4; 3072 x 1024 4.8 / 4.9, 5.1 / 5.1 -> (8) 4.2 / 4.4, 4.6 / 4.7.
-// At M = 9..16, narrow weights of at most 2^21 elements take config 0 (two token tiles on the grid, each CTA one, A in
-// its warps' rings) instead of config 1: twice the CTAs on a weight that the L2 serves to the second tile. H100, us,
-// M = 9 / 16, config 1 -> 0, k = 2 / 3 / 4 / 5: 256 x 2048 5.1 / 5.2, 5.0 / 5.0, 5.1 / 5.1, 5.3 / 5.3 -> 3.7 / 3.8, 3.5 /
-// 3.6, 3.9 / 4.0, 4.3 / 4.4; 512 x 2048 5.7 / 5.3, 5.1 / 5.1, 5.2 / 5.3, 5.5 / 5.4 -> 3.9 / 3.9, 3.9 / 3.9, 4.1 / 4.2,
-// 4.6 / 4.6; 256 x 4096 6.0 / 5.9, 5.7 / 5.7, 5.8 / 5.8, 5.9 / 6.0 -> 4.1 / 4.3, 4.0 / 4.1, 4.4 / 4.5, 4.8 / 4.9; 512 x
-// 3584 5.9 / 6.0, 5.7 / 5.8, 5.9 / 5.9, 6.0 / 6.0 -> 5.2 / 5.0, 5.1 / 5.0, 5.6 / 5.3, 6.2 / 5.7; 512 x 4096 5.9 / 5.9,
-// 5.7 / 5.8, 5.9 / 6.0, 6.1 / 6.2 -> 5.1 / 4.6, 5.1 / 4.6, 5.5 / 5.3, 6.4 / 5.4; 1024 x 2048 5.3 / 5.4, 5.1 / 5.2, 5.3 /
-// 5.4, 5.5 / 5.6 -> 4.9 / 4.6, 4.9 / 4.5, 5.3 / 4.7, 5.8 / 5.2. Not above: 1024 x 3072 5.7 / 5.8 -> 5.8 / 6.2 at k = 2,
-// 512 x 5120 (2.6M elements) even at k <= 4 and slower at k = 5 (6.5 / 6.6 -> 7.4 / 7.7), 1536 x 1536 5.2 / 5.3 -> 5.6 /
-// 6.1.
+// Two rules for small weights (measured over 21 shapes, H100 and H200: docs/kernel.md "The dispatcher over 22 shapes",
+// benchmarking/results/dispatch_sweep_h100/small_n_mid_m_*.txt):
+// - M = 5..8 above PER_WARP_RING_A_MAX_N rows: the shared-A plan (config 10, or the short-K config 8 below) instead of
+//   config 1, whose second token tile is empty there (3072 x 2048, k = 2: 6.8 -> 5.2 us); at k = 5 a short K keeps
+//   config 1 (SHORT_K_ONE_SPLIT_MID_M_MIN_N).
+// - M = 9..16 on weights of at most 1024 rows and 2^21 elements: config 0, two token tiles on the grid (each CTA one,
+//   twice config 1's CTAs; the second tile reads the weight from L2). 256 x 2048, M = 16, k = 2: 5.2 -> 3.8 us. Not
+//   wider or larger: 1024 x 3072, 1536 x 1536 and 512 x 5120 at k = 5 were slower.
 constexpr int PER_WARP_RING_A_MID_M_MAX_N = 1024;
 constexpr long long PER_WARP_RING_A_MID_M_MAX_WEIGHT = 1LL << 21;
 // Short K (8..15 k-steps: config 8 needs no split-K and each warp along k gets 4 or more) on weights of 4096 rows or
@@ -245,12 +238,8 @@ constexpr long long PER_WARP_RING_A_MID_M_MAX_WEIGHT = 1LL << 21;
 // 8.1 / 8.5 (config 0) -> 5.7 / 6.3 (config 10 5.5 / 6.1). Narrower weights keep theirs (1024 x 1024, 2048 x 1024 at M
 // = 1: config 0 3.9-4.0 against 4.2-4.4).
 constexpr int SHORT_K_ONE_SPLIT_MIN_N = 4096;
-// ...and above 2048 rows at M = 5..16 for k <= 4. H100, us, M = 5 / 8 / 9 / 16, the former choice -> config 8, k = 2 / 4:
-// 3072 x 1024 (config 1) 4.8 / 4.9 / 5.0 / 5.1, 5.1 / 5.1 / 5.2 / 5.3 -> 4.2 / 4.4 / 4.3 / 4.4, 4.6 / 4.7 / 4.6 / 4.7;
-// 3584 x 1536 (1, 1, 10, 10) 6.5 / 6.7 / 5.6 / 5.6, 6.9 / 7.1 / 6.1 / 6.2 -> 5.4 / 5.6 / 5.5 / 5.6, 6.1 / 6.3 / 6.1 / 6.3.
-// Not at k = 5 (3072 x 1024 config 1 5.3-5.5 against 5.6-5.8; at M = 5..8 short-K weights then keep config 1), nor
-// from 2048 rows: 2048 x 1536 config 0 / 1 4.6-5.3 against 5.4-5.6 at k = 2 (2048 x 1024 at M = 9..16 would gain 6-17%
-// at k <= 4, and lose 9-14% at k = 5).
+// ...and above 2048 rows at M = 5..16 for k <= 4 (3072 x 1024, k = 2: M = 5 4.9 -> 4.2, M = 16 5.1 -> 4.4 us). Not at
+// k = 5 (3-7% slower than config 1 there), nor from 2048 rows (2048 x 1536: 5-28% slower). Same sources as above.
 constexpr int SHORT_K_ONE_SPLIT_MID_M_MIN_N = 2048;
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
