@@ -648,8 +648,12 @@ struct KbitGemmParams {
 };
 
 // build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES.
-// The codebook sits one entry per lane (read with shfl); each thread writes 16 bytes (4 pair copies, or 2
-// quad copies) per store, and the chunk is rotated by entry so a warp's stores spread over all banks.
+// The codebook sits one entry per lane (read with shfl); each thread computes its entry once (2 shuffles, 4 for a
+// quad) and writes 16 bytes (4 pair copies, or 2 quad copies) per store. The build is part of every call's fixed
+// cost: built twice (KBIT_PROBE_LUT_TWICE), H100, M = 1, us, 14336 x 4096 / 8192 x 8192 k = 2 10.7 / 11.6 -> 11.5 /
+// 12.7, k = 5 16.6 / 18.0 -> 18.1 / 19.5. Computing every 16-byte chunk's entry anew (4 quad shuffles per store, 32
+// per thread at k = 2) took, against once per entry: k = 2, M = 1 / 16, 8192 x 8192 11.6 / 15.4 -> 10.8 / 15.2,
+// 2048 x 4096 5.4 / 5.7 -> 5.1 / 5.6, 14336 x 4096 10.7 / 14.0 -> 10.5 / 13.7; k = 3..5 within 1% on geometric mean.
 // The lane's codebook entry (0 past the end). The one-token-tile kernels and the wgmma kernel load it before
 // their first weight loads (EARLY_CODEBOOK): issued after them it waited behind the prologue's DRAM reads
 // (ncu, H100, 14336 x 4096 M = 1 k = 4: 21% of the warp-stall samples sat on its first use; H100, us, M = 1
@@ -680,23 +684,44 @@ __device__ void build_lut(uint32_t* s_lut, float cb_entry, const KbitGemmParams&
         return Pack2<T>::from_floats(__shfl_sync(0xffffffffu, r_cb, i0), __shfl_sync(0xffffffffu, r_cb, i1));
     };
     constexpr int CHUNKS_PER_ENTRY = Cfg::LUT_COPIES * Cfg::LUT_ENTRY_BYTES / 16;
-    constexpr int CHUNKS = Cfg::LUT_WORDS / 4;
-    static_assert(CHUNKS_PER_ENTRY >= 1 && CHUNKS % 32 == 0 && Cfg::THREADS % 32 == 0,
-                  "whole chunks per entry; a warp's lanes all run the loop's last round or none (pair_value shuffles)");
-#pragma unroll 4
-    for (int x = threadIdx.x; x < CHUNKS; x += Cfg::THREADS) {
-        const int e = x / CHUNKS_PER_ENTRY;
-        const int c = (x + e) % CHUNKS_PER_ENTRY;
-        uint4 v;
+    const auto entry_value = [&](int e) { // every lane must call it (pair_value shuffles)
         if constexpr (Cfg::QUAD_LUT) { // quad e = pair (e & 15) then pair (e >> 4): two MMA registers
             const uint32_t lo = pair_value(e & 15), hi = pair_value(e >> 4);
-            v = make_uint4(lo, hi, lo, hi);
+            return make_uint4(lo, hi, lo, hi);
         } else {
             const uint32_t pv = pair_value(e);
-            v = make_uint4(pv, pv, pv, pv);
+            return make_uint4(pv, pv, pv, pv);
         }
-        reinterpret_cast<uint4*>(s_lut)[e * CHUNKS_PER_ENTRY + c] = v;
+    };
+#ifdef KBIT_PROBE_LUT_TWICE // timing probe only: the table built twice (the cost of one build)
+    for (int rep = 0; rep < 2; rep++) {
+        asm volatile("" ::: "memory");
+#endif
+    // TPE threads per entry (a power of 2: one round where the threads outnumber the entries) compute the entry once
+    // and store CHUNKS_PER_ENTRY / TPE of its 16-byte chunks each, rotated so that the 8 lanes of a store phase hit
+    // distinct 16-byte bank groups
+    constexpr int ENTRIES = Cfg::LUT_ENTRIES;
+    constexpr int TPE = 1 << ilog2(Cfg::THREADS / ENTRIES < CHUNKS_PER_ENTRY ? Cfg::THREADS / ENTRIES : CHUNKS_PER_ENTRY);
+    constexpr int CHUNKS_PER_THREAD = CHUNKS_PER_ENTRY / TPE;
+    constexpr int ROUNDS = (ENTRIES * TPE + Cfg::THREADS - 1) / Cfg::THREADS;
+    constexpr int ENTRIES_PER_PHASE = CHUNKS_PER_ENTRY < 8 ? 8 / CHUNKS_PER_ENTRY : 1; // entries of one 128-byte row
+    static_assert(CHUNKS_PER_ENTRY % TPE == 0 && Cfg::THREADS % 32 == 0, "whole chunks per thread; whole warps");
+#pragma unroll
+    for (int r = 0; r < ROUNDS; r++) {
+        const int idx = r * Cfg::THREADS + (int)threadIdx.x;
+        const int e = idx / TPE, part = idx % TPE;
+        const uint4 v = entry_value(e < ENTRIES ? e : 0); // every lane shuffles
+        if (e < ENTRIES) {
+#pragma unroll
+            for (int j = 0; j < CHUNKS_PER_THREAD; j++) {
+                const int c = (part * CHUNKS_PER_THREAD + j + e / ENTRIES_PER_PHASE) % CHUNKS_PER_ENTRY;
+                reinterpret_cast<uint4*>(s_lut)[e * CHUNKS_PER_ENTRY + c] = v;
+            }
+        }
     }
+#ifdef KBIT_PROBE_LUT_TWICE
+    }
+#endif
 }
 
 // Per-lane global read positions of one warp's stream, advanced by one k-step per call (pointer
