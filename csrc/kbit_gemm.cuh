@@ -340,6 +340,8 @@ struct KbitGemmConfig {
     // conflicts at most, against 4-way with 8). H100, us, 8 -> 16 copies: M = 1 14336 x 4096 23.9 -> 20.3,
     // 28672 x 8192 74.8 -> 61.5, 4096 x 14336 23.3 -> 20.9; M = 16 26.3 -> 23.4, 81.8 -> 68.0, 26.6 -> 24.3
     static constexpr bool QUAD_LUT = Fmt::QUAD;
+    // build_lut: one entry per thread (shared-A and wgmma configs) or one 16-byte chunk per thread (per-warp configs)
+    static constexpr bool LUT_BUILD_BY_ENTRY = SHARED_A_;
     static constexpr int LUT_ENTRIES = QUAD_LUT ? 256 : Fmt::LUT_ENTRIES;
     static constexpr int LUT_ENTRY_BYTES = QUAD_LUT ? 8 : 4;
 #ifndef KBIT_K5_LUT_COPIES_REG // k = 5 table copies of the register-weight configs (dev/build_variant.sh)
@@ -654,6 +656,8 @@ struct KbitGemmParams {
 // 12.7, k = 5 16.6 / 18.0 -> 18.1 / 19.5. Computing every 16-byte chunk's entry anew (4 quad shuffles per store, 32
 // per thread at k = 2) took, against once per entry: k = 2, M = 1 / 16, 8192 x 8192 11.6 / 15.4 -> 10.8 / 15.2,
 // 2048 x 4096 5.4 / 5.7 -> 5.1 / 5.6, 14336 x 4096 10.7 / 14.0 -> 10.5 / 13.7; k = 3..5 within 1% on geometric mean.
+// The per-warp configs (0, 1) keep the chunk-wise build: with one entry per thread config 0 on 1024 x 4096 at k = 5
+// ran 5.2-5.3 -> 5.5-5.7 us at M = 1 (H100 probe) and 5.4 -> 6.5 at M = 2 (benchmark), k = 2 M = 1 4.4 -> 4.4-4.8.
 // The lane's codebook entry (0 past the end). The one-token-tile kernels and the wgmma kernel load it before
 // their first weight loads (EARLY_CODEBOOK): issued after them it waited behind the prologue's DRAM reads
 // (ncu, H100, 14336 x 4096 M = 1 k = 4: 21% of the warp-stall samples sat on its first use; H100, us, M = 1
@@ -697,25 +701,38 @@ __device__ void build_lut(uint32_t* s_lut, float cb_entry, const KbitGemmParams&
     for (int rep = 0; rep < 2; rep++) {
         asm volatile("" ::: "memory");
 #endif
-    // TPE threads per entry (a power of 2: one round where the threads outnumber the entries) compute the entry once
-    // and store CHUNKS_PER_ENTRY / TPE of its 16-byte chunks each, rotated so that the 8 lanes of a store phase hit
-    // distinct 16-byte bank groups
-    constexpr int ENTRIES = Cfg::LUT_ENTRIES;
-    constexpr int TPE = 1 << ilog2(Cfg::THREADS / ENTRIES < CHUNKS_PER_ENTRY ? Cfg::THREADS / ENTRIES : CHUNKS_PER_ENTRY);
-    constexpr int CHUNKS_PER_THREAD = CHUNKS_PER_ENTRY / TPE;
-    constexpr int ROUNDS = (ENTRIES * TPE + Cfg::THREADS - 1) / Cfg::THREADS;
-    constexpr int ENTRIES_PER_PHASE = CHUNKS_PER_ENTRY < 8 ? 8 / CHUNKS_PER_ENTRY : 1; // entries of one 128-byte row
-    static_assert(CHUNKS_PER_ENTRY % TPE == 0 && Cfg::THREADS % 32 == 0, "whole chunks per thread; whole warps");
+    if constexpr (!Cfg::LUT_BUILD_BY_ENTRY) { // each 16-byte chunk computes its entry (per-warp configs, below)
+        constexpr int CHUNKS = Cfg::LUT_WORDS / 4;
+        static_assert(CHUNKS % 32 == 0 && Cfg::THREADS % 32 == 0, "a warp's lanes all run the last round or none");
+#pragma unroll 4
+        for (int x = threadIdx.x; x < CHUNKS; x += Cfg::THREADS) {
+            const int e = x / CHUNKS_PER_ENTRY;
+            const int c = (x + e) % CHUNKS_PER_ENTRY;
+            reinterpret_cast<uint4*>(s_lut)[e * CHUNKS_PER_ENTRY + c] = entry_value(e);
+        }
+    } else {
+        // TPE threads per entry (a power of 2: one round where the threads outnumber the entries) compute the
+        // entry once and store CHUNKS_PER_ENTRY / TPE of its 16-byte chunks each, rotated so that the 8 lanes of a
+        // store phase hit distinct 16-byte bank groups
+        constexpr int ENTRIES = Cfg::LUT_ENTRIES;
+        constexpr int THREADS_PER_ENTRY_MAX = Cfg::THREADS / ENTRIES; // 0 where the entries outnumber the threads
+        constexpr int TPE =
+            1 << ilog2(THREADS_PER_ENTRY_MAX < CHUNKS_PER_ENTRY ? THREADS_PER_ENTRY_MAX : CHUNKS_PER_ENTRY);
+        constexpr int CHUNKS_PER_THREAD = CHUNKS_PER_ENTRY / TPE;
+        constexpr int ROUNDS = (ENTRIES * TPE + Cfg::THREADS - 1) / Cfg::THREADS;
+        constexpr int ENTRIES_PER_PHASE = CHUNKS_PER_ENTRY < 8 ? 8 / CHUNKS_PER_ENTRY : 1; // entries of a 128-B row
+        static_assert(CHUNKS_PER_ENTRY % TPE == 0 && Cfg::THREADS % 32 == 0, "whole chunks per thread; whole warps");
 #pragma unroll
-    for (int r = 0; r < ROUNDS; r++) {
-        const int idx = r * Cfg::THREADS + (int)threadIdx.x;
-        const int e = idx / TPE, part = idx % TPE;
-        const uint4 v = entry_value(e < ENTRIES ? e : 0); // every lane shuffles
-        if (e < ENTRIES) {
+        for (int r = 0; r < ROUNDS; r++) {
+            const int idx = r * Cfg::THREADS + (int)threadIdx.x;
+            const int e = idx / TPE, part = idx % TPE;
+            const uint4 v = entry_value(e < ENTRIES ? e : 0); // every lane shuffles
+            if (e < ENTRIES) {
 #pragma unroll
-            for (int j = 0; j < CHUNKS_PER_THREAD; j++) {
-                const int c = (part * CHUNKS_PER_THREAD + j + e / ENTRIES_PER_PHASE) % CHUNKS_PER_ENTRY;
-                reinterpret_cast<uint4*>(s_lut)[e * CHUNKS_PER_ENTRY + c] = v;
+                for (int j = 0; j < CHUNKS_PER_THREAD; j++) {
+                    const int c = (part * CHUNKS_PER_THREAD + j + e / ENTRIES_PER_PHASE) % CHUNKS_PER_ENTRY;
+                    reinterpret_cast<uint4*>(s_lut)[e * CHUNKS_PER_ENTRY + c] = v;
+                }
             }
         }
     }
