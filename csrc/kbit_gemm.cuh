@@ -339,7 +339,10 @@ struct KbitGemmConfig {
     // weight configs 2 and 3, whose smem holds only the table and A (lanes l, l + 16 share a copy: 2-way
     // conflicts at most, against 4-way with 8). H100, us, 8 -> 16 copies: M = 1 14336 x 4096 23.9 -> 20.3,
     // 28672 x 8192 74.8 -> 61.5, 4096 x 14336 23.3 -> 20.9; M = 16 26.3 -> 23.4, 81.8 -> 68.0, 26.6 -> 24.3
-    static constexpr bool QUAD_LUT = Fmt::QUAD;
+#ifndef KBIT_K2_PAIR_LUT // 1: k = 2 looks up pairs in a 16-entry table (2 KB to build), as k = 3..5 (dev/build_variant.sh)
+#define KBIT_K2_PAIR_LUT 0
+#endif
+    static constexpr bool QUAD_LUT = Fmt::QUAD && !KBIT_K2_PAIR_LUT;
     // build_lut: one entry per thread (shared-A and wgmma configs) or one 16-byte chunk per thread (per-warp configs)
     static constexpr bool LUT_BUILD_BY_ENTRY = SHARED_A_;
     static constexpr int LUT_ENTRIES = QUAD_LUT ? 256 : Fmt::LUT_ENTRIES;
