@@ -162,61 +162,33 @@ static bool config_available(int id) {
 // below, 4096 x 4096 M=128 (1024) and 4096 x 14336 M=64 (1792; wide 41.1 vs 44.6) above.
 constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
 // At M <= 16 the per-warp configs 0-1 (64-row CTAs) take over below 1.5 x SMs of shared-A work (CTA tiles x
-// k-steps < 3 per 2 SMs). With the weights in registers config 2 beats them on 4096 x 4096 (512), H100 k = 4
-// M=1 10.4 vs 10.8 us, M=8 10.7 vs 12.1; 1024 x 4096 (128) stays per-warp (M=1 6.5 vs 7.4). The limit was 3 x
-// SMs until a sweep of 11 small shapes (H100, us, forced, dev/probe_paths.py; per-warp vs the best shared-A
-// config, k = 2 / 3 / 4 / 5):
-//   M=16: 3584 x 3584 (392) 10.0 / 10.4 / 11.4 / 12.8 vs 7.6 / 8.4 / 8.8 / 9.5; 3072 x 3072 (288) 8.8 / 8.8 / 9.8 /
-//     10.5 vs 6.8 / 7.2 / 7.6 / 8.7; 2048 x 4096 (256) 7.9 / 7.8 / 8.6 / 9.2 vs 6.9 / 7.2 / 7.5 / 8.8; 1024 x 8192
-//     (256) 9.1 / 9.1 / 9.8 / 10.4 vs 7.2 / 7.5 / 7.9 / 9.4; 2560 x 2560 (200) 7.4 / 7.2 / 8.0 / 8.7 vs 6.9 / 7.2 /
-//     7.5 / 8.5; but 2048 x 2048 (128) 5.6 / 5.5 / 5.9 / 6.1 vs 6.6 / 6.6 / 6.9 / 7.9, 1024 x 4096 (128) 6.2 / 6.1 /
-//     6.5 / 6.7 vs 6.8 / 6.8 / 7.2 / 8.6
-//   M=1: 3584 x 3584 6.4 / 6.7 / 7.7 / 9.6 vs 5.9 / 6.5 / 6.8 / 7.6; 3072 x 3072 5.7 / 6.0 / 6.8 / 7.7 vs 5.6 / 5.9 /
-//     6.2 / 7.1; 2048 x 4096 5.4 / 5.5 / 6.0 / 7.0 vs 5.4 / 5.6 / 5.7 / 6.8; 2560 x 2560 5.1 / 5.4 / 5.9 / 6.9 vs 5.3
-//     / 5.6 / 5.8 / 6.6; 2048 x 2048 4.2 / 4.8 / 5.1 / 5.5 vs 5.3 / 5.2 / 5.4 / 6.3
+// k-steps < 3 per 2 SMs): 1024 x 4096 (128) stays per-warp, 3584 x 3584 (392) goes to config 3 (M = 16, k = 2:
+// 10.0 -> 7.6 us). Sweep of 11 small shapes: docs/kernel.md "The dispatcher over 22 shapes".
 constexpr int PER_WARP_MAX_STEPS_PER_2_SMS = 3;
-// ...and at M = 9..16 below 0.75 x SMs (k = 5: 1.5 x SMs, where config 1 stays ahead on 2048 x 2048, 4096 x 1024 and
-// 1024 x 4096 at M = 16: 6.2 / 5.9 / 6.8 against 6.6 / 6.6 / 7.1 us for one tile per CTA), for weights of at most
-// ONE_TILE_MID_M_MAX_WEIGHT elements take one token tile per CTA, two tiles on the grid (config 2's plan: 8 or 10 as at
-// M <= 8): such a weight stays in the L2 for the second tile, and twice the CTAs beat the two-tile configs (and the
-// per-warp config 1) that a few wide tiles leave short of work. H100, us, M = 16, forced, the former choice -> one tile
-// per CTA, k = 2 / 3 / 4 / 5: 2048 x 4096 (9) 7.0 / 7.3 / 7.5 / 9.2 -> (8) 5.9 / 6.0 / 6.5 / 7.3; 1024 x 8192 (9) 7.2 /
-// 7.6 / 7.9 / 9.5 -> (8) 6.0 / 6.3 / 6.9 / 7.6; 2560 x 2560 (1) 7.5 / 7.3 / 8.1 / 8.8 -> (10) 5.7 / 5.9 / 6.4 / 7.1;
-// 4096 x 2048 (1) 7.5 / 7.4 / 8.1 / 8.7 -> (2) 6.0 / 6.0 / 6.5 / 7.4; 2048 x 2048 (1) 5.7 / 5.5 / 5.9 / 6.2 -> (10) 5.4
-// / 5.4 / 5.8 / 6.7; 1024 x 4096 (1) 6.2 / 6.1 / 6.6 / 6.8 -> (8) 5.6 / 5.5 / 6.0 / 7.0. Larger weights keep two tiles
-// per CTA: 3072 x 3072 (9.4M elements) 6.9 / 7.2 / 7.6 / 8.8 (9, 3) against 7.7 / 7.9 / 8.5 / 10.5 for one; 1536 x 1536
-// stays per-warp (5.3 / 5.1 / 5.4 / 5.6 against 5.5 / 5.5 / 6.0 / 6.7).
+// ...and at M = 9..16 below 0.75 x SMs (k = 5: 1.5 x SMs). Above that, weights of at most ONE_TILE_MID_M_MAX_WEIGHT
+// elements take one token tile per CTA, two tiles on the grid (config 2's plan: 8 or 10), the second tile reading the
+// weight from L2: 2048 x 4096, M = 16, k = 2 7.0 -> 5.9 us (config 9 -> 8). Larger weights keep two tiles per CTA
+// (3072 x 3072). Same source.
 constexpr int PER_WARP_MID_M_MAX_STEPS_PER_4_SMS = 3;
 constexpr long long ONE_TILE_MID_M_MAX_WEIGHT = 1LL << 23;
 // With few wide tiles the wgmma config takes M > 32 (below, the 32-token config 4). H100, 4096 x 4096, us,
 // config 6 vs what the former M > 64 rule picked at M=64: k=2 22.7 vs 27.1, k=3 25.5 vs 31.8, k=4 19.0
 // vs 21.7, k=5 28.9 vs 38.1
 constexpr int WGMMA_SMALL_WORK_MIN_M = 32;
-// Small weights (fewer than 32 x SMs units of 16 rows x 128 k, e.g. 1024 x 4096: 2048) stay in L2, so
-// re-reading them per 16 tokens costs little and config 3's 8x more CTAs win up to M=128 (k = 5: 64).
-// H100, 1024 x 4096, us, config 3 vs the size rules: k=2 M=32 9.4 vs 13.5, M=64 11.7 vs 14.4, M=128
-// 13.2 vs 17.9; k=4 M=64 12.7 vs 14.6 (config 4), M=128 14.4 vs 18.2; k=3 M=128 18.3 vs 18.8; k=5 M=32
-// 12.7 vs 14.7, M=64 14.7 vs 15.9 (config 4) and 18.4 (config 6), but M=128 26.8 vs 24.2 (config 6)
+// Small weights (fewer than 32 x SMs units of 16 rows x 128 k, e.g. 1024 x 4096: 2048) stay in L2, so re-reading
+// them per 16 tokens costs little and config 3's 8x more CTAs win up to M = 128 (k = 5: 64). 1024 x 4096, k = 2,
+// M = 64: 14.4 -> 11.7 us (docs/kernel.md "Dispatcher thresholds, measured").
 constexpr int SMALL_WEIGHT_MAX_UNITS_PER_SM = 32;
 constexpr int SMALL_WEIGHT_MB2_MAX_M = 128;
 constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 64;
 // 17..32 tokens (config 4's range, 256 x 32 tiles with the weights in a shared-memory ring). A weight that fits in
 // half the L2 is read by the second 16-token tile from there, so config 3 (register weights) wins; on larger
-// weights the wgmma config wins at k = 3, and at k = 4 on weights of 2^27 elements or more. H100, us, M = 20 / 32,
-// config 4 (the rule before) -> the new choice (dev/probe_paths.py --configs 3 4 6):
-//   config 3: 4096 x 4096 k = 2..5 15.9 / 16.5, 16.3 / 16.9, 15.8 / 16.4, 18.0 / 18.6 -> 10.9 / 11.2, 11.6 / 11.9,
-//     11.9 / 12.5, 14.4 / 14.9 (cuBLAS fp16 14.2 / 14.5); k = 2 14336 x 4096 24.2 / 25.9 -> 23.0 / 23.4, 4096 x 14336
-//     25.3 / 26.3 -> 21.6 / 22.5, 8192 x 8192 25.1 / 26.5 -> 23.3 / 24.3; k = 3 14336 x 4096 26.9 / 28.6 -> 26.7 /
-//     27.7, 4096 x 14336 27.7 / 28.9 -> 25.4 / 26.3
-//   config 6: k = 3 8192 x 8192 27.7 / 29.3 -> 27.6 / 27.9, 28672 x 8192 80.5 / 86.7 -> 77.2 / 79.8, 8192 x 28672
-//     75.6 / 81.5 -> 73.3 / 77.0; k = 4 28672 x 8192 82.8 / 89.3 -> 78.4 / 80.8, 8192 x 28672 78.2 / 85.8 -> 75.5 / 81.0
-//   kept on config 4: k = 4 14336 x 4096 25.1 / 26.5 (config 6 25.8 / 26.5, config 3 27.2 / 28.3), 8192 x 8192 27.0 /
-//     28.9 (28.7 / 29.4); k = 2 and 5 of the 70B shapes (28672 x 8192 k = 5 109.6 / 115.5, config 6 116.0 / 117.0)
+// weights the wgmma config wins at k = 3, and at k = 4 on weights of 2^27 elements or more. 4096 x 4096, M = 32,
+// k = 2: 16.5 -> 11.2 us (config 4 -> 3). Same section.
 constexpr int MID_M_MAX = 32;
 constexpr long long MID_M_WGMMA_K4_MIN_WEIGHT = 1LL << 27;
 // configs 0 (one token tile, A in the ring) up to here, then 1 (two tiles): at M = 5..8 config 1's second tile is
-// empty. H100, us, M = 8, config 1 -> 0, k = 2 / 3 / 4 / 5: 1024 x 4096 6.1 / 6.0 / 6.4 / 6.7 -> 5.0 / 5.0 / 5.4 / 5.7,
-// 512 x 3584 5.6 / 5.5 / 5.7 / 5.9 -> 4.6 / 4.7 / 4.8 / 5.3, 2048 x 2048 5.5 / 5.3 / 5.7 / 6.0 -> 5.0 / 4.8 / 5.6 / 5.4
+// empty (1024 x 4096, M = 8, k = 2: 6.1 -> 5.0 us)
 constexpr int PER_WARP_SMALL_M_MAX = 8;
 // ...for weights of at most this many rows at M = 5..8: each 64-row CTA of config 0 copies its own A, so its A
 // traffic grows with N (M = 8, config 1 / 0: 4096 x 1024 5.1-5.6 / 5.9-6.7, 4096 x 1536 6.9 / 8.1 at k = 2)
