@@ -193,25 +193,18 @@ constexpr int PER_WARP_SMALL_M_MAX = 8;
 // ...for weights of at most this many rows at M = 5..8: each 64-row CTA of config 0 copies its own A, so its A
 // traffic grows with N (M = 8, config 1 / 0: 4096 x 1024 5.1-5.6 / 5.9-6.7, 4096 x 1536 6.9 / 8.1 at k = 2)
 constexpr int PER_WARP_RING_A_MAX_N = 2048;
-// Two rules for small weights (measured over 21 shapes, H100 and H200: docs/kernel.md "The dispatcher over 22 shapes",
-// benchmarking/results/dispatch_sweep_h100/small_n_mid_m_*.txt):
-// - M = 5..8 above PER_WARP_RING_A_MAX_N rows: the shared-A plan (config 10, or the short-K config 8 below) instead of
-//   config 1, whose second token tile is empty there (3072 x 2048, k = 2: 6.8 -> 5.2 us); at k = 5 a short K keeps
-//   config 1 (SHORT_K_ONE_SPLIT_MID_M_MIN_N).
-// - M = 9..16 on weights of at most 1024 rows and 2^21 elements: config 0, two token tiles on the grid (each CTA one,
-//   twice config 1's CTAs; the second tile reads the weight from L2). 256 x 2048, M = 16, k = 2: 5.2 -> 3.8 us. Not
-//   wider or larger: 1024 x 3072, 1536 x 1536 and 512 x 5120 at k = 5 were slower.
+// Small weights at M = 5..16 (numbers: docs/kernel.md "The dispatcher over 22 shapes" and "Dispatcher thresholds,
+// measured"; benchmarking/results/dispatch_sweep_h100/small_n_mid_m_*.txt):
+// - M = 5..8 above PER_WARP_RING_A_MAX_N rows take the shared-A plan, not config 1 (its second token tile is empty);
+//   k = 5 with a short K keeps config 1 (SHORT_K_ONE_SPLIT_MID_M_MIN_N). 3072 x 2048, k = 2: 6.8 -> 5.2 us.
+// - M = 9..16 on weights of at most these rows and elements: config 0, one token tile per CTA, two on the grid.
+//   256 x 2048, M = 16, k = 2: 5.2 -> 3.8 us.
 constexpr int PER_WARP_RING_A_MID_M_MAX_N = 1024;
 constexpr long long PER_WARP_RING_A_MID_M_MAX_WEIGHT = 1LL << 21;
-// Short K (8..15 k-steps: config 8 needs no split-K and each warp along k gets 4 or more) on weights of 4096 rows or
-// more: config 8 at M <= 16. H100, us, the former choice -> config 8, k = 2 / 4: 8192 x 1024 M = 1 5.2 / 5.7
-// (config 10) -> 4.3 / 4.6, M = 16 5.7 / 6.4 (config 2) -> 4.7 / 5.5; 14336 x 1024 M = 8 5.6 / 6.7 -> 4.6 / 5.7;
-// 4096 x 1024 M = 1 4.9 / 5.4 (config 0) -> 4.3 / 4.4, M = 16 5.3 / 5.9 (config 10) -> 4.4 / 4.8; 4096 x 1536 M = 8
-// 8.1 / 8.5 (config 0) -> 5.7 / 6.3 (config 10 5.5 / 6.1). Narrower weights keep theirs (1024 x 1024, 2048 x 1024 at M
-// = 1: config 0 3.9-4.0 against 4.2-4.4).
+// Short K (8..15 k-steps): config 8 needs no split-K there, at M <= 16 from this many rows. 8192 x 1024, M = 1, k = 2:
+// 5.2 -> 4.3 us.
 constexpr int SHORT_K_ONE_SPLIT_MIN_N = 4096;
-// ...and above 2048 rows at M = 5..16 for k <= 4 (3072 x 1024, k = 2: M = 5 4.9 -> 4.2, M = 16 5.1 -> 4.4 us). Not at
-// k = 5 (3-7% slower than config 1 there), nor from 2048 rows (2048 x 1536: 5-28% slower). Same sources as above.
+// ...and from here at M = 5..16 for k <= 4 (k = 5: 3-7% slower than config 1). 3072 x 1024, M = 16, k = 2: 5.1 -> 4.4 us.
 constexpr int SHORT_K_ONE_SPLIT_MID_M_MIN_N = 2048;
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
