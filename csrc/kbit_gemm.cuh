@@ -85,7 +85,10 @@
 //    the LUT address is one shift (a funnel shift for the k = 3, 5 fields that straddle two words) + one LOP3.
 //    E4M4 scales need no decode arithmetic: the bits (code << 6) ARE an fp16 equal to absmax / 16
 //    (code << 3: a bf16 equal to absmax * 2^-116, subnormals included); F = 16 (or 2^116) is
-//    folded into the LUT. fp16 absmax: F = 1 (bf16 compute converts the scale through fp32).
+//    folded into the LUT. fp16 absmax: F = 1 (bf16 compute converts the scale through fp32). A lane's 4 codes of a
+//    row half share one word: one rotation + mask gives the half2 {s0, s2}, the other {s1, s3}, and each HMUL2 takes
+//    its scale as a .H0_H0 / .H1_H1 operand (scale_pair): 4 instructions per 4 scales, 2-5% fewer in the loops
+//    (H100, M = 16, k = 3: 14336 x 4096 16.1 -> 15.8 us, 4096 x 14336 16.15 -> 15.9; M = 1 (block columns) unchanged).
 //
 // 4. Pipeline
 //    Configs 0-2 (per warp, no CTA barrier in the main loop): each lane cp.async-copies exactly the
@@ -521,6 +524,14 @@ template <> struct Pack2<__half> {
     }
     static __device__ __forceinline__ float to_float(const __half v) { return __half2float(v); }
     static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+    static __device__ __forceinline__ uint32_t dup_lo(uint32_t a) { // {a.lo, a.lo}
+        __half2 r = __low2half2(*reinterpret_cast<__half2*>(&a));
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
+    static __device__ __forceinline__ uint32_t dup_hi(uint32_t a) { // {a.hi, a.hi}
+        __half2 r = __high2half2(*reinterpret_cast<__half2*>(&a));
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
     static constexpr int E4M4_SHIFT = 6;          // (code << 6) as fp16 == absmax / 16
     static constexpr float E4M4_LUT_FACTOR = 16.0f;
 };
@@ -536,6 +547,14 @@ template <> struct Pack2<__nv_bfloat16> {
     }
     static __device__ __forceinline__ float to_float(const __nv_bfloat16 v) { return __bfloat162float(v); }
     static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+    static __device__ __forceinline__ uint32_t dup_lo(uint32_t a) {
+        __nv_bfloat162 r = __low2bfloat162(*reinterpret_cast<__nv_bfloat162*>(&a));
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
+    static __device__ __forceinline__ uint32_t dup_hi(uint32_t a) {
+        __nv_bfloat162 r = __high2bfloat162(*reinterpret_cast<__nv_bfloat162*>(&a));
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
     static constexpr int E4M4_SHIFT = 3;                    // (code << 3) as bf16 == absmax * 2^-116
     static constexpr float E4M4_LUT_FACTOR = 8.3076749736557242e34f; // 2^116
 };
@@ -968,14 +987,22 @@ __device__ __forceinline__ void read_unit_from_stage(uint32_t (&r_w)[Cfg::Fmt::L
     lds_unit_absmax<Cfg>(r_abs, s_stage + 4 * Cfg::STAGE_W_WORDS + (mt * 32 + lane) * Cfg::ABS_BYTES_PER_LANE);
 }
 
-// scale pair {s, s} for (half, blk) of one unit, as the compute dtype; the E4M4 factor is in the LUT
+// scale pair {s, s} for (half, blk) of one unit, as the compute dtype; the E4M4 factor is in the LUT.
+// E4M4: the 4 codes of a row half sit in one word (byte b = block b); a rotation by E4M4_SHIFT and one mask turn it
+// into the half2 {s0, s2} (bytes 0, 2 at bits SH.. and 16 + SH..), a rotation the other way into {s1, s3}, and
+// each scale is the low or high half of one of them, broadcast (a .H0_H0 / .H1_H1 operand of the HMUL2, no
+// instruction). The rotations are shared by the 4 blocks: 4 instructions per row half instead of a PRMT (dup) and
+// a shift per block.
 template <class Cfg, typename T>
 __device__ __forceinline__ uint32_t scale_pair(const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], int idx) {
     if constexpr (Cfg::ABS_U8) {
+        constexpr int SH = Pack2<T>::E4M4_SHIFT;
+        constexpr uint32_t MASK = (0xFFu << SH) * 0x10001u;
         const uint32_t word = r_abs[idx / 4];
-        const uint32_t b = idx % 4;
-        const uint32_t dup = __byte_perm(word, 0u, b | (4u << 4) | (b << 8) | (4u << 12)); // {code, 0, code, 0}
-        return dup << Pack2<T>::E4M4_SHIFT;
+        const int b = idx % 4;
+        const uint32_t pairs = b % 2 == 0 ? __funnelshift_l(word, word, SH) & MASK   // {s0, s2}
+                                          : __funnelshift_r(word, word, 8 - SH) & MASK; // {s1, s3}
+        return b < 2 ? Pack2<T>::dup_lo(pairs) : Pack2<T>::dup_hi(pairs);
     } else {
         const uint32_t word = r_abs[idx / 2];
         if constexpr (sizeof(T) == 2 && std::is_same<T, __half>::value) {
