@@ -187,6 +187,23 @@ constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 64;
 // k = 2: 16.5 -> 11.2 us (config 4 -> 3). Same section.
 constexpr int MID_M_MAX = 32;
 constexpr long long MID_M_WGMMA_K4_MIN_WEIGHT = 1LL << 27;
+// Two more rules at 17..32 tokens, from a sweep of 22 LLM shapes x k = 2..5 at M = 20 and 32 with configs 3, 4, 6, 9
+// and 11 forced (H100; benchmarking/results/dispatch_sweep_h100/mid_m_*.txt, docs/kernel.md "Mid M (17..32 tokens)").
+// (1) Config 11 (two 16-token tiles of 128 rows on the grid, one 16-warp CTA per SM) where its CTAs fill 90-100% of
+// the SMs in one wave and each warp along k runs 4-8 k-steps: that is less split-K than config 3's. H100, us, M = 32,
+// k = 2 / 3 / 4 / 5, config 3 -> 11: 8192 x 2048 10.3 / 10.9 / 11.4 / 13.7 -> 7.9 / 9.0 / 9.3 / 11.3; 2048 x 8192 11.9 /
+// 12.6 / 12.8 / 15.7 -> 9.6 / 10.5 / 10.8 / 13.0; 4096 x 4096 11.1 / 11.8 / 11.9 / 14.2 -> 9.5 / 10.5 / 10.8 / 12.7.
+// With longer chunks it only ties (8192 x 8192, 16 k-steps: 23.6 / 28.9 vs 23.5 / 27.2); with fewer CTAs it loses
+// (3584 x 3584, 112 CTAs: 10.3 vs 10.9 at k = 2).
+constexpr int MID_M_SIXTEEN_WARP_MIN_FILL_PCT = 90;
+constexpr int MID_M_SIXTEEN_WARP_MAX_CHUNK = 8;
+// (2) The wgmma config where config 3 or 4 fills less than 90% of its CTA slots and config 6 fills at least as large a
+// share of its own, on weights of 2^24 elements or more (below, e.g. 2048 x 2048, config 3 stays faster). H100, us,
+// M = 32, the former choice -> config 6: 14336 x 4096 k = 2 / 3 / 4 / 5 22.8 / 27.0 / 26.8 / 33.8 -> 21.8 / 22.9 / 23.9 /
+// 32.5; 13824 x 5120 k = 4 31.2 -> 28.4; 3584 x 18944 k = 4 / 5 33.7 / 43.6 -> 30.2 / 39.1. Where config 6 fills less
+// (18944 x 3584 at k >= 3: 74 CTAs on 132 SMs) config 4 stays (k = 4 29.9 against 33.9).
+constexpr int MID_M_MIN_FILL_PCT = 90;
+constexpr long long MID_M_FILL_RULE_MIN_WEIGHT = 1LL << 24;
 // configs 0 (one token tile, A in the ring) up to here, then 1 (two tiles): at M = 5..8 config 1's second tile is
 // empty (1024 x 4096, M = 8, k = 2: 6.1 -> 5.0 us)
 constexpr int PER_WARP_SMALL_M_MAX = 8;
@@ -455,6 +472,15 @@ static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
     return per_sm * c.warps_n * c.warps_k * ceil_div(ceil_div(K_dim, UNIT_K), splits);
 }
 
+// Share of a config's CTA slots (CTAs per SM x SMs) that its CTAs fill, in percent of its last wave
+static long long slot_fill_pct(int config, int M, int N, int K_dim, int sm_count) {
+    const ConfigInfo c = config_info(config);
+    const long long ctas = (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m()) *
+                           choose_splits(c, M, N, K_dim, sm_count);
+    const long long slots = (long long)c.ctas_per_sm() * (sm_count > 0 ? sm_count : 1);
+    return 100 * ctas / (ceil_div(ctas, slots) * slots);
+}
+
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1;
     if (ws_config_fits(M, N, K_dim, k_bits, sm_count)) return Dispatch{WS_CONFIG, ws_splits(M, N, K_dim, sm_count)};
@@ -500,6 +526,20 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         else if (wgmma_available() &&
                  (k_bits == 3 || (k_bits == 4 && (long long)N * K_dim >= MID_M_WGMMA_K4_MIN_WEIGHT)))
             config = FIRST_WGMMA_CONFIG;
+        // config 11 where its CTAs fill 90-100% of the SMs in one wave with short k chunks (the rule's constants)
+        if (config_available(SIXTEEN_WARP_CONFIG)) {
+            const int splits11 = choose_splits(config_info(SIXTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
+            const long long ctas11 = tiles(SIXTEEN_WARP_CONFIG) * splits11;
+            const long long chunk = ceil_div(ceil_div(k_steps, splits11), 4); // k-steps per warp along k
+            if (ctas11 <= sms && 100 * ctas11 >= MID_M_SIXTEEN_WARP_MIN_FILL_PCT * sms &&
+                chunk >= SIXTEEN_WARP_MIN_STEPS_PER_WARP && chunk <= MID_M_SIXTEEN_WARP_MAX_CHUNK)
+                return Dispatch{SIXTEEN_WARP_CONFIG, splits11};
+        }
+        // the wgmma config where configs 3 / 4 fill under 90% of their slots and it fills as many of its own
+        if (config != FIRST_WGMMA_CONFIG && wgmma_available() && (long long)N * K_dim >= MID_M_FILL_RULE_MIN_WEIGHT &&
+            slot_fill_pct(config, M, N, K_dim, sm_count) < MID_M_MIN_FILL_PCT &&
+            slot_fill_pct(FIRST_WGMMA_CONFIG, M, N, K_dim, sm_count) >= slot_fill_pct(config, M, N, K_dim, sm_count))
+            config = FIRST_WGMMA_CONFIG, mid_m_l2 = false;
     }
     // config 11 (128-row tiles, one 16-warp CTA per SM) for config 3's work planned as `splits3` splits
     const auto sixteen_warps_win = [&](int splits3) {
