@@ -51,7 +51,7 @@ static bool check_launch(const char* what) {
 // wgmma configs (KbitWgmmaConfig, sm_90a only: kbit_gemm_wgmma.cuh; 8 warps along n, one CTA per SM):
 //   id  TOK MT WARPS   reason
 #define KBIT_WGMMA_TABLE(X)                                                                                          \
-    X(6, 64, 1, 16) /* M > 32 on sm_90a: 256 rows x 64 tokens, 4 warpgroups; replaces the wide config */
+    X(6, 64, 1, 16) /* M > 32 on sm_90a (17..32 where configs 3 / 4 leave slots idle): 256 x 64, 4 warpgroups */
 // warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
 // tokens, producer warps (bulk copies of the weights, TMA of the tokens) and 2 consumer warpgroups
 constexpr int WS_CONFIG = 7;
