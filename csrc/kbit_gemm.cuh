@@ -69,20 +69,25 @@
 //    instructions per k-step). H200 M = 1: 28672 x 8192 48.3 -> 46.0 us, 8192 x 28672 43.1 -> 41.5.
 //    k = 3 at MB = 1 applies the scale in fp32 after the MMA instead (POST_SCALE, KbitGemmConfig).
 //    One token (M = 1, configs 2, 8, 10, k <= 4: BLOCK_COLUMNS) uses the 7 idle token columns: block b of a
-//    k-step is multiplied into column b alone. Its A slot holds block b's activations in row b and zeros in the
-//    other rows (the ring is zeroed once, the copies fill the diagonal), lane g reads row g, so each MMA adds
-//    its block into one column and leaves the others; the LUT holds bare codebook values (x 16) and after a
-//    k-step's 8 MMAs per unit d[n g][col 2t, 2t+1] are the unscaled sums of blocks 2t, 2t+1 (t >= 2: empty
-//    columns), scaled with 4 FFMA per unit in fp32; after the loop 2 shuffles per row sum the columns.
+//    k-step is multiplied into column b alone: in block b's two MMAs lane (g, t) passes block b's activations as its
+//    B fragment where g = b and zeros elsewhere, so each MMA adds its block into one column and leaves the others;
+//    the LUT holds bare codebook values (x 16) and after a k-step's 8 MMAs per unit d[n g][col 2t, 2t+1] are the
+//    unscaled sums of blocks 2t, 2t+1 (t >= 2: empty columns), scaled with 4 FFMA per unit in fp32; after the loop
+//    2 shuffles per row sum the columns. The A slot is the k-step's one token row with each block's 16 words in
+//    quad-major order (word 4j + t at 4t + j), so lane (g < 4, t) reads its block's four B registers with one
+//    LDS.128 per k-step (2 shared-memory wavefronts per warp) and 16 SEL zero them outside block g's MMAs.
 //      k-step:   block 0    block 1    block 2    block 3          D (16 rows x 8 columns), per k-step
-//      A slot   row 0: a0   row 1: a1  row 2: a2  row 3: a3        col 0 += W[:, blk 0] a0 ... col 3 += ...
-//               (rows 4..7 and the off-diagonal blocks: 0)          acc[n][c] += s[n][blk c] * D[n][c]
+//      B column  0: a0      1: a1      2: a2      3: a3            col 0 += W[:, blk 0] a0 ... col 3 += ...
+//               (columns 4..7, and column g outside block g: 0)     acc[n][c] += s[n][blk c] * D[n][c]
 //    That drops the 32 HMUL2 and 8 scale pairs per unit and k-step (k = 4: 706 -> 680 loop instructions per
-//    2 k-steps, 798 with HMUL2), for 16 distinct A rows per LDS.128 instead of a broadcast. H100, M = 1, us,
-//    HMUL2 / lanes masking a broadcast A (16 SEL per k-step) / the diagonal slot, k = 2: 14336 x 4096 11.3 /
-//    11.0 / 11.0, 28672 x 8192 33.4 / 32.3 / 32.2; k = 3 (POST_SCALE before): 39.9 / 39.5 / 38.5; k = 4 46.2 /
-//    45.5 / 45.6; k = 5 55.6 / 55.4 / 55.5 (not taken: no gain). Fewer instructions, little time: the loop is
-//    bound by latency with 4 warps per scheduler (docs/kernel.md "What is in the way at M = 1").
+//    2 k-steps, 798 with HMUL2). H100, M = 1, us, HMUL2 / lanes masking a broadcast A / a diagonal slot (block b in
+//    row b, 4 ldmatrix.x4 per k-step), k = 2: 14336 x 4096 11.3 / 11.0 / 11.0, 28672 x 8192 33.4 / 32.3 / 32.2;
+//    k = 3 (POST_SCALE before): 39.9 / 39.5 / 38.5; k = 4 46.2 / 45.5 / 45.6; k = 5 55.6 / 55.4 / 55.5 (not taken).
+//    The diagonal's ldmatrix.x4 cost 16 wavefronts per warp and k-step against the table's 64 (2 units), in a loop
+//    whose shared-memory pipe is ~75% busy; one LDS.128 instead (2026-11-26), H100, us, dispatcher's plans, two
+//    passes, k = 2 / 3 / 4: 4096 x 14336 10.2 / 11.8 / 13.4 -> 9.3 / 11.9 / 12.9, 8192 x 8192 10.6 / 12.9 / 14.4 ->
+//    9.6 / 12.7 / 14.1, 14336 x 4096 10.3 / 12.0 / 13.1 -> 9.9 / 12.3 / 12.9, 8192 x 28672 28.6 / 36.5 / 44.4 -> 26.5
+//    / 36.8 / 43.8, 28672 x 8192 29.7 / 38.0 / 44.6 -> 28.7 / 39.2 / 44.3 (docs/kernel.md "The one-token A slot").
 //    The repack (TiledFormat) stores each lane's pair indices e as contiguous 2k-bit fields of its 2k words, so
 //    the LUT address is one shift (a funnel shift for the k = 3, 5 fields that straddle two words) + one LOP3.
 //    E4M4 scales need no decode arithmetic: the bits (code << 6) ARE an fp16 equal to absmax / 16
@@ -921,6 +926,14 @@ __device__ __forceinline__ void ldmatrix_b_frags(uint4& r, uint32_t s_row_addr) 
                  : "r"(s_row_addr));
 }
 
+// 128-bit shared load of ring data (A), ordered like ldmatrix_b_frags (volatile: the ring is rewritten between
+// barriers); PTX ISA 9.7.9.8
+__device__ __forceinline__ uint4 lds128_ring(uint32_t s_addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(s_addr));
+    return v;
+}
+
 // B-operand (activation) fragments of one block from the stage: b0,b1 of k16 step 0 = .x,.y, step 1 = .z,.w
 template <class Cfg>
 __device__ __forceinline__ void load_b_fragments(uint4 (&r_a)[Cfg::MB], uint32_t s_a, int a_rows, int blk, int lane) {
@@ -1475,23 +1488,41 @@ template <class Cfg>
 __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemmParams& p, int m_base, int kstep,
                                                     int chunk_steps = 0, int k_end = 0) {
     const unsigned short* g_A = reinterpret_cast<const unsigned short*>(p.A);
-#pragma unroll
-    for (int j = 0; j < Cfg::A_CHUNKS_PER_THREAD; j++) {
-        const int c = threadIdx.x + j * Cfg::THREADS;
-        if (Cfg::A_CHUNKS_RAGGED && c >= Cfg::A_CHUNKS) break; // MB = 1: half the threads copy
-        const int row = c / (Cfg::A_STEP_K / 8), piece = c % (Cfg::A_STEP_K / 8);
-        const int seg = Cfg::WARPS_K == 1 ? 0 : piece / (UNIT_K / 8); // the warp along k that reads it
-        const int m = m_base + row, k = (kstep + seg * chunk_steps) * UNIT_K + (piece % (UNIT_K / 8)) * 8;
-        if (m >= p.M) continue;                  // rows >= M are never read (compute clamps to the last row)
-        const bool ok = k < p.K_dim && (Cfg::WARPS_K == 1 || k < k_end * UNIT_K); // zero fill: padded k must be 0
-        const unsigned short* src = ok ? g_A + (long long)m * p.lda + k : g_A;
-        // BLOCK_COLUMNS (M = 1): block b of a k-step goes to row b (its MMA column); the other rows stay zero
-        const int dst_row = Cfg::BLOCK_COLUMNS ? (piece % (UNIT_K / 8)) / 4 : row;
-        const uint32_t s_dst = s_a + dst_row * Cfg::A_ROW_BYTES + piece * 16;
+    if constexpr (Cfg::BLOCK_COLUMNS) {
+        // One token (M = 1): the k-step's 64 words of each warp along k, word 4j + t of block b (k 32b + 8j + 2t, +1:
+        // register j of lane (b, t)'s B fragment) stored at word 4t + j of the block's 64 bytes, so lane (b, t) reads
+        // its four registers with one 16-byte load (compute_units_block_columns)
+        const int x = threadIdx.x;
+        if (x >= Cfg::WARPS_K * (UNIT_K / 2)) return;
+        const int seg = x / (UNIT_K / 2), w = x % (UNIT_K / 2);
+        const int blk = w / 16, j = (w % 16) / 4, t = w % 4;
+        const int k = (kstep + seg * chunk_steps) * UNIT_K + 2 * (w % 16) + blk * BLOCK_ELEMS;
+        const bool ok = k < p.K_dim && (Cfg::WARPS_K == 1 || k < k_end * UNIT_K);
+        const unsigned short* src = ok ? g_A + (long long)m_base * p.lda + k : g_A;
+        const uint32_t s_dst = s_a + seg * 2 * UNIT_K + blk * 64 + (4 * t + j) * 4;
         if (p.a_vec_ok) {
-            cp_async_16_zfill(s_dst, src, ok ? 16u : 0u);
-        } else {
-            sts128(s_dst, ok ? ldg_a_unaligned(src) : make_uint4(0, 0, 0, 0));
+            cp_async_4_zfill(s_dst, src, ok ? 4u : 0u);
+        } else { // A only 2-byte aligned: two loads and a 4-byte store (ordered by the ring's barrier)
+            const uint32_t v = ok ? (uint32_t)src[0] | ((uint32_t)src[1] << 16) : 0u;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_dst), "r"(v));
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < Cfg::A_CHUNKS_PER_THREAD; j++) {
+            const int c = threadIdx.x + j * Cfg::THREADS;
+            if (Cfg::A_CHUNKS_RAGGED && c >= Cfg::A_CHUNKS) break; // MB = 1: half the threads copy
+            const int row = c / (Cfg::A_STEP_K / 8), piece = c % (Cfg::A_STEP_K / 8);
+            const int seg = Cfg::WARPS_K == 1 ? 0 : piece / (UNIT_K / 8); // the warp along k that reads it
+            const int m = m_base + row, k = (kstep + seg * chunk_steps) * UNIT_K + (piece % (UNIT_K / 8)) * 8;
+            if (m >= p.M) continue;                  // rows >= M are never read (compute clamps to the last row)
+            const bool ok = k < p.K_dim && (Cfg::WARPS_K == 1 || k < k_end * UNIT_K); // zero fill: padded k must be 0
+            const unsigned short* src = ok ? g_A + (long long)m * p.lda + k : g_A;
+            const uint32_t s_dst = s_a + row * Cfg::A_ROW_BYTES + piece * 16;
+            if (p.a_vec_ok) {
+                cp_async_16_zfill(s_dst, src, ok ? 16u : 0u);
+            } else {
+                sts128(s_dst, ok ? ldg_a_unaligned(src) : make_uint4(0, 0, 0, 0));
+            }
         }
     }
 }
@@ -1518,9 +1549,9 @@ __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg
 }
 
 // BLOCK_COLUMNS (M = 1; section 3): the MMA's 8 token columns are idle but one, so block BLK of a k-step is
-// multiplied into column BLK alone. The A slot holds block b in row b and zeros elsewhere (load_a_shared_async),
-// lane g reads row g (a_off), so its B fragment is block g's activations in block g's MMAs and zero in the
-// others. d[mt] then holds the k-step's 4 unscaled block sums of each row (the LUT holds bare codebook values),
+// multiplied into column BLK alone: lane (g, t) of g < 4 loads its four B-fragment registers of block g with one
+// 16-byte load (the A slot's quad-major order, load_a_shared_async; a_off = block g, lane t), and its B fragment is
+// that in block g's MMAs and zero in the others (lanes g >= 4: zero throughout). d[mt] then holds the k-step's 4 unscaled block sums of each row (the LUT holds bare codebook values),
 // scaled once per k-step in fp32: 4 FFMA per unit instead of 32 HMUL2 and 8 scale pairs. fold_block_columns
 // sums the columns of each row after the loop.
 template <class Cfg, typename T>
@@ -1530,10 +1561,13 @@ __device__ __forceinline__ void compute_units_block_columns(float (&acc)[Cfg::MT
                                                             uint32_t s_a, uint32_t a_off, uint32_t s_lut,
                                                             uint32_t lane_off, int lane) {
     float d[Cfg::MT][4];
+    uint4 r_a = make_uint4(0u, 0u, 0u, 0u);
+    if (lane < 16) r_a = lds128_ring(s_a + a_off); // 2 wavefronts per k-step, against 16 for 4 ldmatrix.x4
+    const int g = lane / 4;
 #define KBIT_BLOCK_COLUMN(BLK)                                                                                      \
     {                                                                                                           \
-        uint4 r_b;                                                                                              \
-        ldmatrix_b_frags(r_b, s_a + a_off + (BLK) * 64);                                                        \
+        const bool mine = g == (BLK);                                                                           \
+        const uint4 r_b = make_uint4(mine ? r_a.x : 0u, mine ? r_a.y : 0u, mine ? r_a.z : 0u, mine ? r_a.w : 0u); \
         _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++) {                                                \
             uint32_t frag0[4], frag1[4];                                                                        \
             lookup_frag_a<Cfg, 2 * (BLK)>(frag0, r_w[mt], s_lut, lane_off);                                     \
@@ -1709,11 +1743,6 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
     // A's few hundred bytes go out before the weights, so their first wait is not queued behind the weight
     // loads (H100, M = 1, us: 14336 x 4096 k = 4 16.8 -> 16.2, k = 5 24.4 -> 23.3; 28672 x 8192 k = 5 76.0 ->
     // 74.0). With two token tiles this pays only with the codebook copied first (CODEBOOK_BY_CP_ASYNC).
-    if constexpr (Cfg::BLOCK_COLUMNS) { // zero the A ring once: the copies fill only its diagonal
-        for (int x = threadIdx.x; x < S * Cfg::A_STAGE_WORDS / 4; x += Cfg::THREADS)
-            sts128(s_a_ring + 16 * x, make_uint4(0u, 0u, 0u, 0u));
-        __syncthreads(); // before the copies into the diagonal
-    }
     prefill_a();
     StepWeightRegs<Cfg> ring[D] = {}; // zeroed: slots of absent units (rows >= N) are never loaded
 #pragma unroll
@@ -1829,8 +1858,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     const int a_last_row = min(p.M - m_base, Cfg::TILE_M) - 1;
 #pragma unroll
     for (int mb = 0; mb < Cfg::MB; mb++)
-        a_off[mb] = (Cfg::BLOCK_COLUMNS ? lane % 8 : min(mb * 8 + lane % 8, a_last_row)) * Cfg::A_ROW_BYTES +
-                    wk * 2 * UNIT_K + (lane / 8) * 16;
+        a_off[mb] = Cfg::BLOCK_COLUMNS ? wk * 2 * UNIT_K + (lane % 16 / 4) * 64 + (lane % 4) * 16 // quad-major slot
+                                       : min(mb * 8 + lane % 8, a_last_row) * Cfg::A_ROW_BYTES + wk * 2 * UNIT_K +
+                                             (lane / 8) * 16;
 
     float acc[Cfg::MT][Cfg::MB][4];
     zero_acc<Cfg>(acc);
