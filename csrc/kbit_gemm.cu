@@ -271,6 +271,18 @@ constexpr int WARPS_K_MIN_SPLITS = 8, WARPS_K_MAX_SPLIT_STEPS = 7, WARPS_K_MAX_S
 //   52.6 -> 44.0 / 53.0 / 56.6, 18944 x 3584 (3 of 10) 16.7 -> 20.6 at k = 2. k = 5 keeps the rule above (8192 x 2048:
 //   9.9 -> 10.3, 8192 x 8192 22.8 -> 24.9).
 constexpr int WARPS_K_ANY_STEPS_MAX_M = 8;
+// One token with its A slot read by one LDS.128 per warp and k-step (block columns, k <= 4; kbit_gemm.cuh section 3):
+// config 8 also where config 2 or 10 plans fewer than 8 splits, as long as its CTAs (half the splits of 128-row tiles)
+// fill at least ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT (k = 2; _K34 at k = 3, 4) of the share of SM slots that the other
+// plan fills. Its halved split-K tail weighs most against k = 2's short loop. H100, us, M = 1, forced, 22 shapes
+// (benchmarking/results/dispatch_sweep_h100/one_token_m1_sweep.txt), k = 2 / 3 / 4, the former plan -> config 8:
+// 14336 x 4096 (c10, 97% -> 85% filled) 9.9 / 12.5 / 12.9 -> 9.7 / 12.7 / 13.2, so k = 2 only; 28672 x 8192 (c10,
+// 97% -> 85%) 29.3 -> 28.6 at k = 2 (k = 3 / 4 39.6 / 44.4 -> 38.8 / 43.7 are left: one shape); 11008 x 4096 (c2, 98% ->
+// 98%) 9.3 / 11.0 / 11.4 -> 8.3 / 10.3 / 11.0; 8192 x 3072 (c10, 84% -> 73%) 7.3 -> 6.7; 8192 x 2048 (c2, 48% -> 48%)
+// 5.6 / 6.3 / 6.4 -> 5.2 / 6.3 / 6.3; 3072 x 3072 5.3 -> 5.0. Not where config 8 fills far less: 18944 x 3584 (148
+// CTAs on 264 slots against 255) 11.7 / 15.0 / 15.6 against 13.2 / 17.7 / 17.6; 3584 x 3584 (84 against 112 CTAs) k = 3
+// 6.5 against 7.4.
+constexpr int ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT = 80, ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34 = 90;
 // ...where config 9 keeps 90% of config 3's CTAs: its warps along k need 8 k-steps per split, so 3584 x 3584 gets 3
 // splits (84 CTAs) where config 3 runs 7 (98): M = 9, k = 2 / 3 / 4, config 3 7.3 / 8.3 / 8.3 against 8.2 / 9.2 / 9.7.
 constexpr int WARPS_K_MB2_MIN_SPLITS = 4, WARPS_K_MB2_MAX_SPLIT_STEPS = 10, WARPS_K_MB2_MIN_CTAS_PCT = 90;
@@ -580,6 +592,12 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         else if (config == FIRST_SHARED_A_CONFIG &&
                  sm_load(SEVEN_WARP_CONFIG, M, N, K_dim, sm_count) < sm_load(config, M, N, K_dim, sm_count))
             config = SEVEN_WARP_CONFIG; // 224-row tiles: less work on the busiest SM
+        const int warps_k_one_token = FIRST_SHARED_A_CONFIG + WARPS_K_CONFIG_OFFSET;
+        if (M == 1 && k_bits <= 4 && (config == FIRST_SHARED_A_CONFIG || config == SEVEN_WARP_CONFIG) &&
+            100 * slot_fill_pct(warps_k_one_token, M, N, K_dim, sm_count) >=
+                (k_bits == 2 ? ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT : ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34) *
+                    slot_fill_pct(config, M, N, K_dim, sm_count))
+            config = warps_k_one_token; // one token: half the splits (block columns, k <= 4)
     }
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }
