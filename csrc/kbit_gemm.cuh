@@ -1551,9 +1551,9 @@ __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg
 // BLOCK_COLUMNS (M = 1; section 3): the MMA's 8 token columns are idle but one, so block BLK of a k-step is
 // multiplied into column BLK alone: lane (g, t) of g < 4 loads its four B-fragment registers of block g with one
 // 16-byte load (the A slot's quad-major order, load_a_shared_async; a_off = block g, lane t), and its B fragment is
-// that in block g's MMAs and zero in the others (lanes g >= 4: zero throughout). d[mt] then holds the k-step's 4 unscaled block sums of each row (the LUT holds bare codebook values),
-// scaled once per k-step in fp32: 4 FFMA per unit instead of 32 HMUL2 and 8 scale pairs. fold_block_columns
-// sums the columns of each row after the loop.
+// that in block g's MMAs and zero in the others (lanes g >= 4: zero throughout). d[mt] then holds the k-step's 4
+// unscaled block sums of each row (the LUT holds bare codebook values), scaled once per k-step in fp32: 4 FFMA per
+// unit instead of 32 HMUL2 and 8 scale pairs. fold_block_columns sums the columns of each row after the loop.
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_units_block_columns(float (&acc)[Cfg::MT][Cfg::MB][4],
                                                             const uint32_t (&r_w)[Cfg::MT][Cfg::Fmt::LANE_WORDS],
