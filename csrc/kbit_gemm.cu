@@ -674,13 +674,14 @@ static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], 
 // 4096 6.8 -> 7.5 (M = 1), 8.3 -> 9.4 (M = 16). Before the wait, one-token-tile CTAs with long splits prefetch their
 // first weights into L2 (l2_prefetch_steps). BNB_KBIT_PDL=0 in the environment launches plainly (and prefetches
 // nothing).
+// a switch that is on unless the environment sets it to "0"
+static bool env_switch_on(const char* name) {
+    const char* v = getenv(name);
+    return v == nullptr || strcmp(v, "0") != 0;
+}
 static bool pdl_enabled() {
-    static int s_on = -1;
-    if (s_on < 0) {
-        const char* v = getenv("BNB_KBIT_PDL");
-        s_on = v != nullptr && strcmp(v, "0") == 0 ? 0 : 1;
-    }
-    return s_on == 1 && device_cc() >= 90;
+    static const bool s_on = env_switch_on("BNB_KBIT_PDL");
+    return s_on && device_cc() >= 90;
 }
 
 // k-steps of each warp's split that a shared-A kernel prefetches into L2 before its dependency wait (a hint: no
@@ -731,6 +732,71 @@ static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     check_launch("ckbit_gemm");
 }
 
+// Split-K through thread-block clusters. Config 6 (kbit_gemm_wgmma.cuh section 8) sums its splits over distributed
+// shared memory; the shared-A configs, with exactly 2 splits, push split 1's partial into split 0's shared memory
+// (push_split_k in kbit_gemm.cuh). Either only where every tile's cluster is resident at once
+// (cudaOccupancyMaxActiveClusters, cached per kernel, device and split count); otherwise through the workspace.
+// a launch of grid (x, k_splits) as clusters of cluster_y CTAs along the splits (attr: the caller's, it must outlive
+// cfg)
+static cudaLaunchConfig_t split_cluster_launch(dim3 grid, int cluster_y, int threads, int smem_bytes,
+                                               cudaStream_t stream, cudaLaunchAttribute& attr) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads, 1, 1);
+    cfg.dynamicSmemBytes = smem_bytes;
+    cfg.stream = stream;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1;
+    attr.val.clusterDim.y = cluster_y;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    return cfg;
+}
+
+// whether `clusters` clusters of cluster_y CTAs of `kernel` are resident at once (cache: per device and cluster size)
+template <typename Kernel>
+static bool cluster_reduce_fits(Kernel kernel, long long clusters, int cluster_y, int threads, int smem_bytes,
+                                short (&cache)[64][MAX_SPLITS + 1]) {
+#ifdef KBIT_NO_CLUSTER_REDUCE // A/B timing builds (dev/build_variant.sh)
+    return false;
+#endif
+    if (cluster_y < 2 || cluster_y > 8) return false;
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 64) return false;
+    short& known = cache[dev][cluster_y];
+    if (known == 0) {
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t cfg = split_cluster_launch(dim3(1, cluster_y), cluster_y, threads, smem_bytes, nullptr,
+                                                            attr);
+        int resident = 0;
+        if (cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg) != cudaSuccess) {
+            cudaGetLastError(); // a refusal only means: reduce through the workspace
+            resident = 0;
+        }
+        known = resident <= 0 ? -1 : (short)(resident > 32767 ? 32767 : resident);
+    }
+    return known > 0 && (long long)known >= clusters;
+}
+
+// The shared-A push: 2-split launches run as 2-CTA clusters, split 1 pushing its partial into split 0's shared memory
+// (push_split_k in kbit_gemm.cuh; no workspace, fence or counter). H100, us, M = 1, k = 2, workspace -> push:
+// 14336 x 4096 9.6 -> 8.9, 13824 x 5120 11.4 -> 10.5, 8192 x 2048 5.2 -> 4.2; M = 16 8192 x 2048 7.0 -> 6.1,
+// 28672 x 8192 42.3 -> 40.8 (docs/kernel.md "Split-K pushed through 2-CTA clusters"). More splits as pushing pairs
+// whose sums meet in the workspace were as fast or slower (8192 x 8192, 4 splits: 9.8 -> 10.1). BNB_KBIT_SPLIT_K_PUSH
+// in the environment: the most splits that push (even; default 2, 0 = the workspace path only).
+static int split_k_push_max_splits() {
+#ifdef KBIT_NO_CLUSTER_REDUCE // A/B timing builds (dev/build_variant.sh)
+    return 0;
+#endif
+    static const int s_max = [] {
+        const char* v = getenv("BNB_KBIT_SPLIT_K_PUSH");
+        return v == nullptr ? 2 : atoi(v);
+    }();
+    return device_cc() >= 90 ? s_max : 0;
+}
+
 template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     static bool s_attr_set[64] = {};
     if (!prepare_launch(kbit_gemm_shared_a_kernel<Cfg, T>, Cfg::SHARED_A_SMEM_BYTES, s_attr_set, p, k_splits, "shared-A"))
@@ -738,7 +804,24 @@ template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, 
     p.a_rows = Cfg::TILE_M;
     p.l2_prefetch_steps = l2_prefetch_steps(Cfg::MB, ceil_div(p.ks_per_split, Cfg::WARPS_K));
     const dim3 grid(ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N), k_splits, ceil_div(p.M, Cfg::TILE_M));
-    launch_dependent(kbit_gemm_shared_a_kernel<Cfg, T>, grid, Cfg::THREADS, Cfg::SHARED_A_SMEM_BYTES, stream, p);
+    static bool s_push_attr_set[64] = {};
+    static short s_push_clusters[64][MAX_SPLITS + 1] = {};
+    p.cluster_reduce = k_splits % 2 == 0 && k_splits <= split_k_push_max_splits() &&
+                       Cfg::PUSH_SMEM_BYTES <= device_smem_optin() &&
+                       allow_dynamic_smem(kbit_gemm_shared_a_kernel<Cfg, T>, Cfg::PUSH_SMEM_BYTES, s_push_attr_set) &&
+                       cluster_reduce_fits(kbit_gemm_shared_a_kernel<Cfg, T>, (long long)grid.x * grid.z * k_splits / 2,
+                                           2, Cfg::THREADS, Cfg::PUSH_SMEM_BYTES, s_push_clusters);
+    if (p.cluster_reduce) {
+        cudaLaunchAttribute attr[2];
+        cudaLaunchConfig_t cfg = split_cluster_launch(grid, 2, Cfg::THREADS, Cfg::PUSH_SMEM_BYTES, stream, attr[0]);
+        attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[1].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = pdl_enabled() ? 2 : 1;
+        cudaLaunchKernelEx(&cfg, kbit_gemm_shared_a_kernel<Cfg, T>, p);
+    } else {
+        launch_dependent(kbit_gemm_shared_a_kernel<Cfg, T>, grid, Cfg::THREADS, Cfg::SHARED_A_SMEM_BYTES, stream, p);
+    }
     check_launch("ckbit_gemm shared-A");
 }
 
@@ -759,51 +842,9 @@ static void launch_shared_a_for_m(KbitGemmParams& p, int k_splits, cudaStream_t 
     launch_shared_a<KbitSharedAConfig<K_BITS, MB, MT, CTAS, ABS_U8, WK, WN>, T>(p, k_splits, stream);
 }
 
+// Config 6 reduces split-K through a thread-block cluster when the k_splits CTAs of a tile can form a portable
+// cluster (<= 8) and all are resident at once (cluster_reduce_fits)
 constexpr int CLUSTER_MAX_STEPS = 32, CLUSTER_MAX_STEPS_FEWER = 8;
-// Config 6 reduces split-K through a thread-block cluster (kbit_gemm_wgmma.cuh section 8) when the k_splits
-// CTAs of a tile can form a portable cluster (<= 8) and every tile's cluster is resident at once
-// (cudaOccupancyMaxActiveClusters, cached per device and split count); otherwise through the workspace.
-// a launch of grid (x, k_splits) as clusters of the k_splits CTAs of a tile (attr: the caller's, it must outlive cfg)
-static cudaLaunchConfig_t split_cluster_launch(dim3 grid, int threads, int smem_bytes, cudaStream_t stream,
-                                               cudaLaunchAttribute& attr) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(threads, 1, 1);
-    cfg.dynamicSmemBytes = smem_bytes;
-    cfg.stream = stream;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1;
-    attr.val.clusterDim.y = grid.y;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    return cfg;
-}
-
-template <typename Kernel>
-static bool cluster_reduce_fits(Kernel kernel, dim3 grid, int threads, int smem_bytes, int k_splits,
-                                signed char (&cache)[64][MAX_SPLITS + 1]) {
-#ifdef KBIT_NO_CLUSTER_REDUCE // A/B timing builds (dev/build_variant.sh)
-    return false;
-#endif
-    if (k_splits < 2 || k_splits > 8) return false;
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev >= 64) return false;
-    signed char& known = cache[dev][k_splits];
-    if (known == 0) {
-        cudaLaunchAttribute attr;
-        const cudaLaunchConfig_t cfg = split_cluster_launch(dim3(1, k_splits), threads, smem_bytes, nullptr, attr);
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-            cudaGetLastError(); // a refusal only means: reduce through the workspace
-            clusters = 0;
-        }
-        known = clusters <= 0 ? -1 : (signed char)(clusters > 127 ? 127 : clusters);
-    }
-    return known > 0 && (long long)known >= (long long)grid.x * grid.z;
-}
-
 // grid: m tile fastest (kbit_gemm_wgmma.cuh section 5)
 template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     if (!wgmma_available()) {
@@ -816,12 +857,11 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
     const int tiles = ceil_div(p.n16_tiles, Cfg::MT * Cfg::WARPS_N) * ceil_div(p.M, Cfg::TOK);
     // the most splits, down to half the planned ones, whose clusters are all resident at once, where the reduction
     // weighs: CTAs of at most CLUSTER_MAX_STEPS k-steps (CLUSTER_MAX_STEPS_FEWER with fewer splits than planned)
-    static signed char s_cluster[64][MAX_SPLITS + 1] = {};
+    static short s_cluster[64][MAX_SPLITS + 1] = {};
     p.cluster_reduce = 0;
     for (int s = k_splits < 8 ? k_splits : 8; s >= 2 && 2 * s >= k_splits && !p.cluster_reduce; s--)
         if (ceil_div(p.k_steps, s) <= (s == k_splits ? CLUSTER_MAX_STEPS : CLUSTER_MAX_STEPS_FEWER) &&
-            cluster_reduce_fits(kbit_gemm_wgmma_kernel<Cfg, T>, dim3(tiles, s), Cfg::THREADS, Cfg::SMEM_BYTES, s,
-                                s_cluster)) {
+            cluster_reduce_fits(kbit_gemm_wgmma_kernel<Cfg, T>, tiles, s, Cfg::THREADS, Cfg::SMEM_BYTES, s_cluster)) {
             p.cluster_reduce = 1;
             k_splits = s;
             p.k_splits = s;
@@ -830,7 +870,7 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
     const dim3 grid(tiles, k_splits);
     if (p.cluster_reduce) {
         cudaLaunchAttribute attr;
-        const cudaLaunchConfig_t cfg = split_cluster_launch(grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream, attr);
+        const cudaLaunchConfig_t cfg = split_cluster_launch(grid, k_splits, Cfg::THREADS, Cfg::SMEM_BYTES, stream, attr);
         cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_kernel<Cfg, T>, p);
     } else {
         kbit_gemm_wgmma_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
@@ -850,7 +890,7 @@ template <typename Kernel> static bool ws_multicast_fits(Kernel kernel, int thre
     if (dev >= 64) return false;
     if (s_known[dev] == 0) {
         cudaLaunchAttribute attr;
-        cudaLaunchConfig_t cfg = split_cluster_launch(dim3(2, 1), threads, smem_bytes, nullptr, attr);
+        cudaLaunchConfig_t cfg = split_cluster_launch(dim3(2, 1), 1, threads, smem_bytes, nullptr, attr);
         attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1;
         int clusters = 0;
         if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
@@ -893,7 +933,7 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
     const dim3 grid(tiles + tail, k_splits);
     if (p.ws_multicast) {
         cudaLaunchAttribute attr;
-        cudaLaunchConfig_t cfg = split_cluster_launch(grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream, attr);
+        cudaLaunchConfig_t cfg = split_cluster_launch(grid, 1, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream, attr);
         attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1;
         cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_ws_kernel<Cfg, T>, p, map);
     } else {

@@ -145,9 +145,14 @@
 //    Slower, measured: the sum in a second kernel (1.2-3.7 us per call); slots that read 0 between calls, with a
 //    relaxed counter per CTA or per warp (no fence; M = 16 up to 34% slower); the splits of a tile as one thread-block
 //    cluster summing through DSMEM (M = 1 up to 6.6 us slower: clusters of 4-16 CTAs are placed within a GPC and fewer
-//    are resident at once; where all fit, 0.1-0.6 us faster), or pushing splits 1.. into split 0's shared memory with
-//    st.async (2-3% faster with 2 splits, 28672 x 8192; slower with 4). Counters 128 B apart: no change.
+//    are resident at once; where all fit, 0.1-0.6 us faster); pushing pairs of splits (4-8 splits) through 2-CTA
+//    clusters before the workspace: as fast or slower. Counters 128 B apart: no change.
 //    docs/kernel.md "The split-K tail taken apart".
+//    Kept: the shared-A configs launch 2-split plans on sm_90 as 2-CTA clusters where all are resident: split 1's
+//    k-reduced warps store their partial into split 0's shared memory with st.async and leave, split 0 waits on an
+//    mbarrier for the bytes and stores C (push_split_k): no workspace, fence or counter; the same sum, split 0 +
+//    split 1. H100, M = 1, k = 2: 14336 x 4096 9.6 -> 8.9 us, 8192 x 2048 5.2 -> 4.2 (kbit_gemm.cu,
+//    split_k_push_max_splits).
 //    Configs 8, 9, 11 (shared-A, WARPS_K = 2, 2, 4): the A slot of a CTA step holds the k-step of each k warp's chunk
 //    (k_begin + wk * chunk + i); where a split's k-steps are odd the second chunk is one shorter and its warp
 //    multiplies its stale weight registers by zero-filled A for that step (a branch around the compute instead
@@ -467,6 +472,74 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* g_ptr, uint32_t byt
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(g_ptr), "r"(bytes) : "memory");
 #endif
 }
+// Thread-block clusters and mbarriers (sm_90 and later; compiled to nothing before, where no cluster is launched):
+// PTX ISA 9.7.12.3 (barrier.cluster), 9.7.9.21 (mapa), 9.7.9.8 (ld.shared::cluster), 9.7.9.12 (st.async),
+// 9.7.13.15 (mbarrier), 10.9 (%cluster_ctarank)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KBIT_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define KBIT_SM90_ASM(...) ((void)0)
+#endif
+__device__ __forceinline__ void cluster_barrier() {
+    KBIT_SM90_ASM("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// the two halves of cluster_barrier, for work in between; arrive_relaxed orders nothing but the mbarrier init
+// fence (fence.mbarrier_init) that precedes it
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    KBIT_SM90_ASM("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { KBIT_SM90_ASM("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r = 0;
+    KBIT_SM90_ASM("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// the address of shared-memory word s_addr of this CTA in the CTA of cluster rank `rank`
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t s_addr, uint32_t rank) {
+    uint32_t d = 0;
+    KBIT_SM90_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(d) : "r"(s_addr), "r"(rank));
+    return d;
+}
+__device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t s_cluster_addr) {
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    KBIT_SM90_ASM("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                  : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                  : "r"(s_cluster_addr)
+                  : "memory");
+    return v;
+}
+// 16 bytes into another CTA's shared memory, completing 16 bytes of the transaction count of its mbarrier
+// s_cluster_bar (both addresses: map_to_rank)
+__device__ __forceinline__ void st_async_f32x4(uint32_t s_cluster_addr, float a, float b, float c, float d,
+                                               uint32_t s_cluster_bar) {
+    KBIT_SM90_ASM("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                      s_cluster_addr),
+                  "f"(a), "f"(b), "f"(c), "f"(d), "r"(s_cluster_bar)
+                  : "memory");
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    KBIT_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// the inits of this thread visible to the cluster's other CTAs (before their first remote arrive or st.async)
+__device__ __forceinline__ void fence_mbarrier_init_cluster() {
+    KBIT_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    KBIT_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// wait for phase `parity` of mbarrier bar, acquiring at cluster scope what other CTAs released into it
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t done = 0;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+#endif
+}
 // D = A(16x16, row) * B(16x8, col) + D, fp32 accumulate, A and B of type T (the tag argument picks the
 // overload; the two differ only in the PTX type); PTX ISA 9.7.14.5.8
 #define KBIT_DEFINE_MMA_M16N8K16(T, PTX_TYPE)                                                                    \
@@ -672,7 +745,8 @@ struct KbitGemmParams {
     int k_splits, ks_per_split;
     int a_vec_ok;           // A 16-byte aligned and lda % 8 == 0
     int a_rows;             // token rows of A staged per k-step: min(M, TILE_M)
-    int cluster_reduce;     // config 6: the k_splits CTAs of a tile are one cluster and reduce through DSMEM
+    int cluster_reduce;     // the k_splits CTAs of a tile are one cluster and reduce through DSMEM (config 6;
+                            // shared-A: pairs of splits as 2-CTA clusters, push_split_k)
     int ws_tail_from;       // config 7 without k_splits: tiles from here on run as two CTAs of half the k-steps
     int ws_multicast;       // config 7: clusters of 2 CTAs share the token tile (TMA multicast)
     int l2_prefetch_steps;  // shared-A configs: k-steps of each warp's split prefetched into L2 before the PDL wait
@@ -1279,6 +1353,46 @@ __device__ __forceinline__ void reduce_warps_k(float (&acc)[Cfg::MT][Cfg::MB][4]
     }
 }
 
+// Split-K of a shared-A tile in 2-CTA clusters (p.cluster_reduce; launch_shared_a in kbit_gemm.cu, an even number
+// of splits): the odd split's writer warps (wk = 0, after the k-warp sum) store their partial into the even split's
+// receive slot (s_recv: [WARPS_N][ACC_FLOATS / 4][32] float4) with st.async, which completes bytes on the even
+// split's mbarrier s_bar, and the odd CTA leaves (false). The even split's writer warps wait for the tile's bytes
+// and add the slot to their own partial (split 2j + split 2j + 1; with 2 splits the order and bits of the workspace
+// path); the caller then reduces the pairs' sums through the workspace where there are more than 2 splits. Every
+// thread of both CTAs calls it: its cluster_wait pairs with the cluster_arrive_relaxed after the even split
+// initialised s_bar (kernel start).
+template <class Cfg>
+__device__ __forceinline__ bool push_split_k(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t s_recv, uint32_t s_bar,
+                                             int wn, bool is_writer, int lane) {
+    constexpr int F = Cfg::ACC_FLOATS;
+    static_assert(F % 4 == 0, "the slot moves float4");
+    float* a = &acc[0][0][0];
+    const uint32_t slot = s_recv + 16u * (uint32_t)(wn * (F / 4) * 32 + lane);
+    cluster_wait();
+    if (blockIdx.y % 2 != 0) {
+        if (is_writer) {
+            const uint32_t dst = map_to_rank(slot, 0), bar = map_to_rank(s_bar, 0);
+#pragma unroll
+            for (int q = 0; q < F / 4; q++)
+                st_async_f32x4(dst + 16u * 32u * (uint32_t)q, a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3], bar);
+        }
+        return false;
+    }
+    if (!is_writer) return true;
+    if (threadIdx.x == 0) mbar_arrive_expect_tx(s_bar, (uint32_t)Cfg::TILE_FLOATS * 4u);
+    mbar_wait_cluster(s_bar, 0);
+#pragma unroll
+    for (int q = 0; q < F / 4; q++) {
+        float4 v;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                     : "r"(slot + 16u * 32u * (uint32_t)q)
+                     : "memory");
+        a[4 * q] += v.x, a[4 * q + 1] += v.y, a[4 * q + 2] += v.z, a[4 * q + 3] += v.w;
+    }
+    return true;
+}
+
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
@@ -1454,6 +1568,9 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
     static_assert(SHARED_A_STAGES >= 2, "the shared ring needs >= 2 stages (one barrier per k-step)");
     static constexpr int SHARED_A_SMEM_BYTES =
         4 * (Base::LUT_WORDS + SHARED_A_STAGES * (A_STAGE_WORDS + Base::WARPS * W_SMEM_STAGE_WORDS));
+    // push_split_k's receive slot (one C tile of fp32) after the rest, in launches of 2-CTA clusters only
+    static constexpr int PUSH_RECV_OFFSET = (SHARED_A_SMEM_BYTES + 15) / 16 * 16;
+    static constexpr int PUSH_SMEM_BYTES = PUSH_RECV_OFFSET + 4 * Base::TILE_FLOATS;
     static_assert(Base::RED_WORDS <= SHARED_A_STAGES * A_STAGE_WORDS, "the k-reduction buffer aliases the A ring");
     static constexpr int A_CHUNKS = Base::TILE_M * (A_STEP_K / 8); // 16-byte chunks of one A stage
     static constexpr int A_CHUNKS_PER_THREAD = (A_CHUNKS + Base::THREADS - 1) / Base::THREADS;
@@ -1834,6 +1951,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     const int split_len = max(min(k_begin + p.ks_per_split, p.k_steps) - k_begin, 0);
     const int n_steps = WK == 1 ? split_len : (split_len + WK - 1) / WK;
     const int my_steps = WK == 1 ? n_steps : min(max(split_len - wk * n_steps, 0), n_steps);
+    __shared__ __align__(8) uint64_t s_push_bar; // push_split_k: an even split's receive barrier
+    const uint32_t s_push_bar_addr = (uint32_t)__cvta_generic_to_shared(&s_push_bar);
+    if (p.cluster_reduce) { // the even split's barrier exists before the odd one pushes (cluster_wait, push_split_k)
+        if (threadIdx.x == 0 && blockIdx.y % 2 == 0) mbar_init(s_push_bar_addr, 1), fence_mbarrier_init_cluster();
+        cluster_arrive_relaxed();
+    }
     if (p.l2_prefetch_steps > 0 && blockIdx.z == 0) // before the PDL wait: a hint, no value comes back
         prefetch_warp_split_l2<Cfg>(p, n16_base, k_begin + wk * n_steps, min(my_steps, p.l2_prefetch_steps), lane);
     grid_dependency_wait(); // PDL (kbit_gemm.cu): every read and write of this grid comes after the previous kernel
@@ -1866,7 +1989,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     zero_acc<Cfg>(acc);
 
     StreamCursor<Cfg> cur;
-    cur.init(p, n16_base, m_base, k_begin + wk * n_steps, lane);
+    // One token tile: the weight streams start after the codebook's round trip (7-17% faster at M = 1, docs/kernel.md
+    // "The codebook wait before the first loads"). ptxas chose that order by itself until an epilogue change moved
+    // it; a zero that depends on the loaded entry (codebook_len <= 32) makes it part of the weights' addresses.
+    const int after_codebook = Cfg::MB == 1 ? (int)(__float_as_uint(cb_entry) & ((uint32_t)p.codebook_len >> 16)) : 0;
+    cur.init(p, n16_base, m_base, k_begin + wk * n_steps + after_codebook, lane);
     if constexpr (Cfg::W_REG_STAGES > 0)
         shared_a_loop_weight_regs<Cfg, T>(acc, p, cur, k_begin, k_begin + split_len, n_steps, my_steps, m_base, s_a_ring,
                                           a_off, s_lut_ptr, cb_entry, lane_off, lane);
@@ -1882,10 +2009,17 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
         __syncthreads();
         reduce_warps_k<Cfg>(acc, reinterpret_cast<float*>(s_mem + Cfg::LUT_WORDS), wn, wk, lane);
     }
+    int split = blockIdx.y, n_splits = p.k_splits;
+    if (p.cluster_reduce) { // pairs of splits as 2-CTA clusters: the odd one pushes its partial into the even one
+        if (!push_split_k<Cfg>(acc, (uint32_t)__cvta_generic_to_shared(s_mem) + Cfg::PUSH_RECV_OFFSET, s_push_bar_addr,
+                               wn, wk == 0, lane))
+            return;
+        split /= 2, n_splits /= 2;
+    }
 #ifdef KBIT_PROBE_NO_SPLITK_REDUCE // timing probe only: every split stores its partial as C (wrong values)
     if (false) {
 #else
-    if (p.k_splits > 1) { // M <= 256 with few n tiles: same deterministic slot reduction as configs 0-2
+    if (n_splits > 1) { // M <= 256 with few n tiles: same deterministic slot reduction as configs 0-2
 #endif
         __syncthreads();
         const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
@@ -1893,7 +2027,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
 #define KBIT_SPLITK_SHARED_READS 1
 #endif
         constexpr int READERS = KBIT_SPLITK_SHARED_READS && Cfg::MB >= 2 ? WK : 1;
-        const bool last = reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag, CtaSync(), -1, 0,
+        const bool last = reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag, CtaSync(), split, n_splits,
                                               READERS > 1 ? wk : 0, READERS);
         KBIT_TIMELINE(4);
         if (!last) return;

@@ -172,30 +172,6 @@ __device__ __forceinline__ void wgmma_commit() { KBIT_SM90A_ASM("wgmma.commit_gr
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     KBIT_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// thread-block clusters: PTX ISA 9.7.12.3 (barrier.cluster), 9.7.9.21 (mapa), 9.7.9.8 (ld.shared::cluster),
-// 10.9 (%cluster_ctarank)
-__device__ __forceinline__ void cluster_barrier() {
-    KBIT_SM90A_ASM("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r = 0;
-    KBIT_SM90A_ASM("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-// the address of shared-memory word s_addr of this CTA in the CTA of cluster rank `rank`
-__device__ __forceinline__ uint32_t map_to_rank(uint32_t s_addr, uint32_t rank) {
-    uint32_t d = 0;
-    KBIT_SM90A_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(d) : "r"(s_addr), "r"(rank));
-    return d;
-}
-__device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t s_cluster_addr) {
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    KBIT_SM90A_ASM("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                   : "r"(s_cluster_addr)
-                   : "memory");
-    return v;
-}
 // byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128B-swizzled region (1024-aligned)
 __device__ __forceinline__ uint32_t swizzle128(int row, int chunk) {
     return (uint32_t)(row * 128 + ((chunk ^ (row & 7)) << 4));

@@ -215,33 +215,14 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
 // ---------------------------------------------------------------------------------------------
 // mbarrier, bulk copy and TMA (PTX ISA 9.7.13.15, 9.7.9.25.4); sm_90a only, like the wgmma helpers
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    KBIT_SM90A_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     KBIT_SM90A_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    KBIT_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     uint32_t done = 0;
     do {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-#endif
-}
-// the same, acquiring at cluster scope what the other CTA released before its arrive (mbar_arrive_cluster)
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    uint32_t done = 0;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done)
                      : "r"(bar), "r"(parity)
                      : "memory");

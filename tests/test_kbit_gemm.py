@@ -346,6 +346,30 @@ def test_cuda_gemm_every_config_token_tiles(k):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("k", KS)
+def test_cuda_gemm_two_split_clusters(k):
+    """Plans of exactly 2 k splits on the shared-A configs, which on sm_90 run as 2-CTA clusters: split 1 pushes its
+    partial into split 0's shared memory (push_split_k), no workspace. Shapes and SM counts are searched for such
+    plans at M = 1, 6 and 16 (one and two token tiles); fp16 and bf16, both absmax formats, bias, and the same bits
+    from a second call. Then forced shared-A configs at M = 40 (several m tiles) planned for 16 SMs."""
+    from bitsandbytes_kbit.backends.cuda.ops import gemm_plan
+
+    found = set()
+    for M, (N, K_dim), sms in itertools.product((1, 6, 16), ((14336, 4096), (4096, 4096), (1000, 14336), (8192, 2048)),
+                                                (132, 66, 33)):
+        config, splits = gemm_plan(M, N, K_dim, k, sm_count=sms)
+        if splits != 2 or (config, M) in found:
+            continue
+        found.add((config, M))
+        out = run_case(M, N, K_dim, k, torch.float16, bias=True, sm_count=sms)
+        assert torch.equal(out, run_case(M, N, K_dim, k, torch.float16, bias=True, sm_count=sms))
+        run_case(M, N, K_dim, k, torch.bfloat16, absmax_format="fp16", sm_count=sms)
+    assert {M for _, M in found} == {1, 6, 16}, f"2-split plans found: {sorted(found)}"
+    for config in (2, 3, 8, 9):  # shared-A configs every build has
+        run_case(40, 1000, 4096, k, torch.float16, bias=True, config=config, sm_count=16)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("M", [1, 16])
 def test_cuda_gemm_dependent_chain(M):
     """Calls launched back to back where each one's A is the previous one's output, eagerly and from a CUDA
