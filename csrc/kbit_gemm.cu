@@ -46,7 +46,8 @@ static bool check_launch(const char* what) {
     X(9, 2, 2, 2, 2, 4) /* config 3 as 128 x 16                                                                 */      \
     X(10, 1, 2, 2, 1, 7) /* config 2 as 224 x 8 (7 warps): a lighter busiest SM where 256-row tiles leave slots idle */ \
     X(11, 2, 2, 1, 4, 4) /* config 3 as 128 x 16, 16 warps (4 along k), one CTA per SM: no split-K where its tiles fill  \
-                            3/4 to all of the SMs (sm_90: 226 KB)                                                    */
+                            3/4 to all of the SMs (sm_90: 226 KB)                                                    */ \
+    X(12, 1, 2, 2, 8, 1) /* config 2 as 32 x 8, 8 warps along k: 4096-row weights in one or two splits at M = 1   */
 
 // wgmma configs (KbitWgmmaConfig, sm_90a only: kbit_gemm_wgmma.cuh; 8 warps along n, one CTA per SM):
 //   id  TOK MT WARPS   reason
@@ -55,7 +56,7 @@ static bool check_launch(const char* what) {
 // warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
 // tokens, producer warps (bulk copies of the weights, TMA of the tokens) and 2 consumer warpgroups
 constexpr int WS_CONFIG = 7;
-constexpr int NUM_CONFIGS = 12;
+constexpr int NUM_CONFIGS = 13;
 constexpr int SIXTEEN_WARP_CONFIG = 11;   // config 3 as 16 warps in a CTA per SM
 constexpr int WARPS_K_CONFIG_OFFSET = 6; // configs 8, 9 = configs 2, 3 with two warps along k
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
@@ -283,6 +284,17 @@ constexpr int WARPS_K_ANY_STEPS_MAX_M = 8;
 // CTAs on 264 slots against 255) 11.7 / 15.0 / 15.6 against 13.2 / 17.7 / 17.6; 3584 x 3584 (84 against 112 CTAs) k = 3
 // 6.5 against 7.4.
 constexpr int ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT = 80, ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34 = 90;
+// One token: config 12 (32-row tiles, all 8 warps along k) where its plan is 2 splits (pushed through 2-CTA clusters on
+// sm_90, kbit_gemm.cuh push_split_k) whose CTAs fill >= 70% of the SM slots and each warp's chunk is short: at most 7
+// k-steps at k = 3, 4, at most 2 at k = 2 (the 4x more A that 8 k warps read weighs most against k = 2's short loop).
+// H100, us, M = 1, forced, the dispatcher's config 8 -> 12, k = 2 / 3 / 4 (chunk): 4096 x 4096 (2) 5.1 / 6.2 / 6.4 ->
+// 4.3 / 5.4 / 6.1; 4096 x 11008 (6) 8.3 / 10.4 / 11.2 -> 8.5 / 9.8 / 11.0; 4096 x 14336 (7) 9.4 / 11.9 / 13.0 -> 9.7 /
+// 11.3 / 12.8; 3072 x 8192 (4, 73% filled) 6.7 / 7.9 / 8.4 -> 6.6 / 7.2 / 8.2. Not: 3584 x 18944 (10) 11.1 / 14.4 /
+// 15.8 -> 12.4 / 14.5 / 16.2; one split (8192 x 8192: 9.7 / 12.8 / 14.3 -> 10.4 / 12.9 / 14.0; 5120 x 13824, 61% filled:
+// 10.8 -> 14.7 at k = 2); 4 splits (2048 x 14336: 7.5 -> 8.0).
+constexpr int ONE_TOKEN_DEEP_CONFIG = 12;
+constexpr int ONE_TOKEN_DEEP_MIN_FILL_PCT = 70, ONE_TOKEN_DEEP_MAX_CHUNK = 7, ONE_TOKEN_DEEP_MAX_CHUNK_K2 = 2;
+static int split_k_push_max_splits();
 // ...where config 9 keeps 90% of config 3's CTAs: its warps along k need 8 k-steps per split, so 3584 x 3584 gets 3
 // splits (84 CTAs) where config 3 runs 7 (98): M = 9, k = 2 / 3 / 4, config 3 7.3 / 8.3 / 8.3 against 8.2 / 9.2 / 9.7.
 constexpr int WARPS_K_MB2_MIN_SPLITS = 4, WARPS_K_MB2_MAX_SPLIT_STEPS = 10, WARPS_K_MB2_MIN_CTAS_PCT = 90;
@@ -598,6 +610,13 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
                 (k_bits == 2 ? ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT : ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34) *
                     slot_fill_pct(config, M, N, K_dim, sm_count))
             config = warps_k_one_token; // one token: half the splits (block columns, k <= 4)
+        if (M == 1 && k_bits <= 4 && split_k_push_max_splits() >= 2) {
+            const int splits12 = choose_splits(config_info(ONE_TOKEN_DEEP_CONFIG), M, N, K_dim, sm_count);
+            const long long chunk = ceil_div(ceil_div(k_steps, splits12), 8); // k-steps per warp
+            if (splits12 == 2 && slot_fill_pct(ONE_TOKEN_DEEP_CONFIG, M, N, K_dim, sm_count) >= ONE_TOKEN_DEEP_MIN_FILL_PCT &&
+                chunk <= (k_bits == 2 ? ONE_TOKEN_DEEP_MAX_CHUNK_K2 : ONE_TOKEN_DEEP_MAX_CHUNK))
+                return Dispatch{ONE_TOKEN_DEEP_CONFIG, splits12};
+        }
     }
     return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
 }

@@ -1261,6 +1261,34 @@ __device__ __forceinline__ void store_output(const float (&acc)[Cfg::MT][Cfg::MB
     }
 }
 
+// One token (BLOCK_COLUMNS, after fold_block_columns): the live sums of row group g (unit mt, rows g and g + 8:
+// acc[mt][0][0] and [2]) sit in every lane of quad g. With ONE_TOKEN_COMPACT_SLOT_MIN_SPLITS splits or more, lane t of
+// the quad carries value t (unit t / 2, rows g + 8 (t % 2)) through the split-K slots: a CTA's slot is one float per
+// lane instead of the whole fragment (8), and the last CTA loads one float per lane and split instead of 8. H100, us,
+// M = 1, k = 2 / 3 / 4, fragment -> one float: 2048 x 14336 (14 splits) 7.5 / 8.6 / 9.1 -> 6.8 / 8.0 / 8.4, 5120 x
+// 13824 (6) 10.9 / 14.2 / 15.5 -> 10.6-10.9 / 14.0 / 15.2, 4096 x 14336 (8) 9.4 / 11.9 / 13.0 -> 9.3 / 11.8 / 12.9;
+// with 4 splits as fast or slower (14336 x 4096, config 10, k = 3 / 4: 12.2 / 12.9 -> 12.6 / 13.2; cause not found).
+// MT = 2 (configs 2, 8, 10, 12).
+#ifndef ONE_TOKEN_COMPACT_SLOT_MIN_SPLITS
+#define ONE_TOKEN_COMPACT_SLOT_MIN_SPLITS 6
+#endif
+template <class Cfg> __device__ __forceinline__ float one_token_slot_value(const float (&acc)[Cfg::MT][Cfg::MB][4], int lane) {
+    static_assert(Cfg::MT == 2 && Cfg::MB == 1, "four live values per quad");
+    const int t = lane % 4;
+    const float u0 = t % 2 ? acc[0][0][2] : acc[0][0][0], u1 = t % 2 ? acc[1][0][2] : acc[1][0][0];
+    return t / 2 ? u1 : u0;
+}
+// the inverse: every lane of quad g gets its quad's four values back where store_output reads them
+template <class Cfg> __device__ __forceinline__ void one_token_slot_unpack(float (&acc)[Cfg::MT][Cfg::MB][4], float v, int lane) {
+    const int quad = lane & ~3;
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; mt++) {
+        acc[mt][0][0] = __shfl_sync(0xffffffffu, v, quad + 2 * mt);
+        acc[mt][0][2] = __shfl_sync(0xffffffffu, v, quad + 2 * mt + 1);
+        acc[mt][0][1] = acc[mt][0][3] = 0.0f;
+    }
+}
+
 // split-K across CTAs: write this split's slot; the last CTA of the tile sums all slots in order.
 // `sync`: a barrier over every thread that calls this (__syncthreads; config 7: its consumer warps)
 struct CtaSync {
@@ -1275,14 +1303,22 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
     constexpr int F = Cfg::ACC_FLOATS;
     if (split < 0) split = blockIdx.y, n_splits = p.k_splits;
     const long long slot_base = (long long)tile_id * n_splits * Cfg::TILE_FLOATS;
+    const bool compact = Cfg::BLOCK_COLUMNS && n_splits >= ONE_TOKEN_COMPACT_SLOT_MIN_SPLITS; // one float per lane
     if (is_writer) {
         float* g_slot = p.partials + slot_base + (long long)split * Cfg::TILE_FLOATS + wn * F * 32;
+        bool stored = false;
+        if constexpr (Cfg::BLOCK_COLUMNS) {
+            if (compact) __stcg(g_slot + lane, one_token_slot_value<Cfg>(acc, lane)), stored = true;
+        }
+        if (!stored) {
 #pragma unroll
-        for (int mt = 0; mt < Cfg::MT; mt++)
+            for (int mt = 0; mt < Cfg::MT; mt++)
 #pragma unroll
-            for (int mb = 0; mb < Cfg::MB; mb++)
+                for (int mb = 0; mb < Cfg::MB; mb++)
 #pragma unroll
-                for (int r = 0; r < 4; r++) __stcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane, acc[mt][mb][r]);
+                    for (int r = 0; r < 4; r++)
+                        __stcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane, acc[mt][mb][r]);
+        }
     }
 #ifdef KBIT_PROBE_SPLITK_STORE_ONLY // timing probe only: slot stores, no barrier, counter or reads; split 0 stores C
     return split == 0;
@@ -1308,6 +1344,18 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
         // in reader order by the caller (reduce_warps_k): each warp's loads then leave in one batch
         const int share = (n_splits + readers - 1) / readers;
         const int sp_end = min(n_splits, (reader + 1) * share);
+        if constexpr (Cfg::BLOCK_COLUMNS) {
+            if (compact) { // one float per lane and split, every split's load issued at once
+                constexpr int MAX_SPLITS_LOADED = 16; // the dispatcher's MAX_SPLITS
+                const float* g_slot = p.partials + slot_base + wn * F * 32 + lane;
+                float v = 0.0f;
+#pragma unroll
+                for (int sp = 0; sp < MAX_SPLITS_LOADED; sp++)
+                    if (sp < n_splits) v += __ldcg(g_slot + (long long)sp * Cfg::TILE_FLOATS);
+                one_token_slot_unpack<Cfg>(acc, v, lane);
+                return true;
+            }
+        }
         zero_acc<Cfg>(acc);
         for (int sp = reader * share; sp < sp_end; sp++) { // ptxas unrolls by 4 and issues 4 slots' loads together
             const float* g_slot = p.partials + slot_base + (long long)sp * Cfg::TILE_FLOATS + wn * F * 32;
@@ -1609,19 +1657,23 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
         // One token (M = 1): the k-step's 64 words of each warp along k, word 4j + t of block b (k 32b + 8j + 2t, +1:
         // register j of lane (b, t)'s B fragment) stored at word 4t + j of the block's 64 bytes, so lane (b, t) reads
         // its four registers with one 16-byte load (compute_units_block_columns)
-        const int x = threadIdx.x;
-        if (x >= Cfg::WARPS_K * (UNIT_K / 2)) return;
-        const int seg = x / (UNIT_K / 2), w = x % (UNIT_K / 2);
-        const int blk = w / 16, j = (w % 16) / 4, t = w % 4;
-        const int k = (kstep + seg * chunk_steps) * UNIT_K + 2 * (w % 16) + blk * BLOCK_ELEMS;
-        const bool ok = k < p.K_dim && (Cfg::WARPS_K == 1 || k < k_end * UNIT_K);
-        const unsigned short* src = ok ? g_A + (long long)m_base * p.lda + k : g_A;
-        const uint32_t s_dst = s_a + seg * 2 * UNIT_K + blk * 64 + (4 * t + j) * 4;
-        if (p.a_vec_ok) {
-            cp_async_4_zfill(s_dst, src, ok ? 4u : 0u);
-        } else { // A only 2-byte aligned: two loads and a 4-byte store (ordered by the ring's barrier)
-            const uint32_t v = ok ? (uint32_t)src[0] | ((uint32_t)src[1] << 16) : 0u;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_dst), "r"(v));
+        constexpr int WORDS = Cfg::WARPS_K * (UNIT_K / 2); // 64 per warp along k: more than THREADS for config 12
+#pragma unroll
+        for (int r = 0; r < (WORDS + Cfg::THREADS - 1) / Cfg::THREADS; r++) {
+            const int x = threadIdx.x + r * Cfg::THREADS;
+            if (x >= WORDS) return;
+            const int seg = x / (UNIT_K / 2), w = x % (UNIT_K / 2);
+            const int blk = w / 16, j = (w % 16) / 4, t = w % 4;
+            const int k = (kstep + seg * chunk_steps) * UNIT_K + 2 * (w % 16) + blk * BLOCK_ELEMS;
+            const bool ok = k < p.K_dim && (Cfg::WARPS_K == 1 || k < k_end * UNIT_K);
+            const unsigned short* src = ok ? g_A + (long long)m_base * p.lda + k : g_A;
+            const uint32_t s_dst = s_a + seg * 2 * UNIT_K + blk * 64 + (4 * t + j) * 4;
+            if (p.a_vec_ok) {
+                cp_async_4_zfill(s_dst, src, ok ? 4u : 0u);
+            } else { // A only 2-byte aligned: two loads and a 4-byte store (ordered by the ring's barrier)
+                const uint32_t v = ok ? (uint32_t)src[0] | ((uint32_t)src[1] << 16) : 0u;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_dst), "r"(v));
+            }
         }
     } else {
 #pragma unroll
