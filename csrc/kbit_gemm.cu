@@ -284,16 +284,21 @@ constexpr int WARPS_K_ANY_STEPS_MAX_M = 8;
 // CTAs on 264 slots against 255) 11.7 / 15.0 / 15.6 against 13.2 / 17.7 / 17.6; 3584 x 3584 (84 against 112 CTAs) k = 3
 // 6.5 against 7.4.
 constexpr int ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT = 80, ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34 = 90;
-// One token: config 12 (32-row tiles, all 8 warps along k) where its plan is 2 splits (pushed through 2-CTA clusters on
-// sm_90, kbit_gemm.cuh push_split_k) whose CTAs fill >= 70% of the SM slots and each warp's chunk is short: at most 7
-// k-steps at k = 3, 4, at most 2 at k = 2 (the 4x more A that 8 k warps read weighs most against k = 2's short loop).
-// H100, us, M = 1, forced, the dispatcher's config 8 -> 12, k = 2 / 3 / 4 (chunk): 4096 x 4096 (2) 5.1 / 6.2 / 6.4 ->
-// 4.3 / 5.4 / 6.1; 4096 x 11008 (6) 8.3 / 10.4 / 11.2 -> 8.5 / 9.8 / 11.0; 4096 x 14336 (7) 9.4 / 11.9 / 13.0 -> 9.7 /
-// 11.3 / 12.8; 3072 x 8192 (4, 73% filled) 6.7 / 7.9 / 8.4 -> 6.6 / 7.2 / 8.2. Not: 3584 x 18944 (10) 11.1 / 14.4 /
-// 15.8 -> 12.4 / 14.5 / 16.2; one split (8192 x 8192: 9.7 / 12.8 / 14.3 -> 10.4 / 12.9 / 14.0; 5120 x 13824, 61% filled:
-// 10.8 -> 14.7 at k = 2); 4 splits (2048 x 14336: 7.5 -> 8.0).
+// One token, k = 3, 4: config 12 (32-row tiles, all 8 warps along k) where it plans 1 or 2 splits (2: pushed through
+// 2-CTA clusters on sm_90, kbit_gemm.cuh push_split_k) in one wave that loads the SMs evenly (the busiest SM's CTAs at
+// most 1.4x the average) and each warp's chunk is at most 7 k-steps. H100, us, M = 1, dev/probe_paths.py, the former
+// plan (config 8 or 10) -> 12, k = 3 / 4 (CTAs, chunk): 4096 x 4096 (128, 4) 6.2 / 6.2 -> 5.8 / 5.5; 3584 x 3584 (112,
+// 4) 6.5 / 6.5 -> 5.0 / 5.1; 3072 x 3072 (96, 3) 6.0 / 6.0 -> 4.6 / 5.0; 8192 x 2048 (256, 2) 6.2 / 6.3 -> 5.5 / 6.0;
+// 8192 x 3072 (256, 3) 8.0 / 8.1 -> 6.6 / 7.5; 6144 x 4096 (192, 4) 7.5 / 7.6 -> 7.0 / 7.3; 2048 x 8192 (128, 4) 6.6 /
+// 6.7 -> 5.5 / 5.7; 3072 x 8192 (192, 4) 7.8 / 7.9 -> 7.2 / 8.1; 4096 x 11008 (256, 6) 10.3 / 11.2 -> 9.8 / 10.9;
+// 4096 x 14336 (256, 7) 12.0 / 13.0 -> 11.3 / 12.9 (benchmarking/results/dispatch_sweep_h100/one_token_deep_m1_ab.txt);
+// the benchmark (rotated weights, every path interleaved) agrees at k = 3 (4096 x 4096 6.1 -> 5.9, 4096 x 14336 11.9 ->
+// 11.4). Not: two waves (14336 x 4096, 448 CTAs: 12.2 -> 13.7 at k = 3), uneven ones (5120 x 5120, 160 CTAs: 7.8 / 7.9
+// -> 8.0 / 8.4), longer chunks (3584 x 18944 (224, 10) 14.4 / 15.8 -> 14.5 / 16.2; 8192 x 8192 (256, 8) 12.8 -> 12.9
+// at k = 3). Not at k = 2: the probe had 4096 x 4096 at 5.1 -> 4.3 us, but the benchmark 5.0 -> 5.2, and 4096 x 14336
+// (chunk 7) was slower (9.4 -> 9.6-9.9): 8 k warps read 4x more A, which weighs most against k = 2's short loop.
 constexpr int ONE_TOKEN_DEEP_CONFIG = 12;
-constexpr int ONE_TOKEN_DEEP_MIN_FILL_PCT = 70, ONE_TOKEN_DEEP_MAX_CHUNK = 7, ONE_TOKEN_DEEP_MAX_CHUNK_K2 = 2;
+constexpr int ONE_TOKEN_DEEP_MAX_IMBALANCE_PCT = 140, ONE_TOKEN_DEEP_MAX_CHUNK = 7;
 static int split_k_push_max_splits();
 // ...where config 9 keeps 90% of config 3's CTAs: its warps along k need 8 k-steps per split, so 3584 x 3584 gets 3
 // splits (84 CTAs) where config 3 runs 7 (98): M = 9, k = 2 / 3 / 4, config 3 7.3 / 8.3 / 8.3 against 8.2 / 9.2 / 9.7.
@@ -610,11 +615,12 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
                 (k_bits == 2 ? ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT : ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34) *
                     slot_fill_pct(config, M, N, K_dim, sm_count))
             config = warps_k_one_token; // one token: half the splits (block columns, k <= 4)
-        if (M == 1 && k_bits <= 4 && split_k_push_max_splits() >= 2) {
+        if (M == 1 && (k_bits == 3 || k_bits == 4) && split_k_push_max_splits() >= 2) {
             const int splits12 = choose_splits(config_info(ONE_TOKEN_DEEP_CONFIG), M, N, K_dim, sm_count);
             const long long chunk = ceil_div(ceil_div(k_steps, splits12), 8); // k-steps per warp
-            if (splits12 == 2 && slot_fill_pct(ONE_TOKEN_DEEP_CONFIG, M, N, K_dim, sm_count) >= ONE_TOKEN_DEEP_MIN_FILL_PCT &&
-                chunk <= (k_bits == 2 ? ONE_TOKEN_DEEP_MAX_CHUNK_K2 : ONE_TOKEN_DEEP_MAX_CHUNK))
+            const long long ctas12 = tiles(ONE_TOKEN_DEEP_CONFIG) * splits12;
+            if (splits12 <= 2 && ctas12 <= 2 * sms && 100 * ceil_div(ctas12, sms) * sms <= ONE_TOKEN_DEEP_MAX_IMBALANCE_PCT * ctas12 &&
+                chunk <= ONE_TOKEN_DEEP_MAX_CHUNK)
                 return Dispatch{ONE_TOKEN_DEEP_CONFIG, splits12};
         }
     }
