@@ -30,8 +30,10 @@
 //        11 = config 3 as 16 warps (4 along n x 4 along k, 128-row CTAs, one per SM, sm_90): where its tiles fill
 //        3/4 to all of the SMs it needs no split-K (14336 x 4096 at M = 16: 112 CTAs, 5% faster than config 3), and
 //        in place of config 3's many splits (>= 12; k = 5) where its CTAs fill 70% of the SMs; at M = 17..32 (two token
-//        tiles on the grid) where its CTAs fill 90-100% of the SMs with 4-8 k-steps per k warp (the dispatcher's rules
-//        and their measurements over 22 LLM shapes: kbit_gemm.cu select_config, docs/kernel.md)
+//        tiles on the grid) where its CTAs fill 90-100% of the SMs with 4-8 k-steps per k warp; 12 = config 2 as 8
+//        warps along k (32-row CTAs): one token at k = 3, 4 where it needs 1 or 2 splits in one even wave and each k warp
+//        a chunk of <= 7 k-steps (4096 x 14336 k = 3: 256 CTAs in 2 splits pushed through clusters, 12.0 -> 11.3 us)
+//        (the dispatcher's rules and their measurements over 22 LLM shapes: kbit_gemm.cu select_config, docs/kernel.md)
 //      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
 //        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper, and at M = 17..32 where
 //        configs 3 and 4 would fill under 90% of their CTA slots
