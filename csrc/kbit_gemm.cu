@@ -493,6 +493,19 @@ constexpr int SIXTEEN_WARP_MIN_STEPS_PER_WARP = 4;
 // 14.8 / 14.7 -> 13.6 / 13.6. Not taken: 8 splits (8192 x 8192 k = 5: 22.8 -> 23.2), longer chunks at k <= 4 (4096 x
 // 14336, chunks of 7: 16.2 -> 16.7 at k = 3), fewer CTAs (2048 x 8192, 64 CTAs: 10.5 -> 12.3 at k = 5).
 constexpr int SIXTEEN_WARP_MANY_SPLITS = 12, SIXTEEN_WARP_MIN_FILL_PCT = 70, SIXTEEN_WARP_SHORT_CHUNK = 4;
+// And config 11 as 2 splits pushed through 2-CTA clusters (push_split_k) where those CTAs fill 90% of the SMs in one
+// wave with chunks of 4-8 k-steps per warp along k: 8192 x 8192 at M = 16 runs 64 tiles x 2 splits (128 CTAs)
+// instead of config 9's 4 splits through the workspace (or config 3's 8 at k = 5). H100, us, two passes, the
+// dispatcher before -> with the rule, M = 16, k = 2 / 3 / 4 / 5: 8192 x 8192 15.2-15.7 / 17.4-17.5 / 18.9-19.1 / 22.1-22.2
+// -> 14.4-14.6 / 16.6-16.8 / 18.1-18.3 / 21.6-21.7; 8192 x 4096 10.1-10.2 / 11.2-11.3 / 12.3-12.4 -> 8.8-8.9 / 10.3-10.4
+// / 11.3-11.6 (k = 5 took config 11 already); 8448 x 5120 11.3 / 12.7 / 14.2-14.4 / 16.3-16.4 -> 10.4 / 12.0-12.5 /
+// 13.2-13.3 / 15.8; 57 cells over five shapes and M = 9, 12, 16: 0.955x (geometric mean), none slower than the spread
+// (benchmarking/results/dispatch_sweep_h100/sixteen_warp_push_m16_ab.txt). Long chunks stay with config 3: 8192 x 28672
+// (28 k-steps per warp) config 3 / 9 / 11 39.9 / 42.0 / 42.8 at k = 2.
+#ifndef KBIT_SIXTEEN_WARP_PUSH_MAX_CHUNK // dev/build_variant.sh: 0 switches the rule off
+#define KBIT_SIXTEEN_WARP_PUSH_MAX_CHUNK 8
+#endif
+constexpr int SIXTEEN_WARP_PUSH_MIN_FILL_PCT = 90, SIXTEEN_WARP_PUSH_MAX_CHUNK = KBIT_SIXTEEN_WARP_PUSH_MAX_CHUNK;
 static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
     const ConfigInfo c = config_info(config);
     const int splits = choose_splits(c, M, N, K_dim, sm_count);
@@ -582,9 +595,14 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         // take config 9 at k <= 4
         const bool short_k5 = k_bits == 5 && splits3 >= WARPS_K_MIN_SPLITS &&
                               ceil_div(k_steps, splits3) <= WARPS_K_MAX_SPLIT_STEPS_K5;
-        if (M > PER_WARP_MAX_M || (splits3 < SIXTEEN_WARP_MANY_SPLITS && !short_k5)) return false;
+        if (M > PER_WARP_MAX_M) return false;
         const int splits11 = choose_splits(config_info(SIXTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
         const long long chunk = ceil_div(ceil_div(k_steps, splits11), 4); // k-steps per warp along k
+        if (splits11 == 2 && split_k_push_max_splits() >= 2 && 2 * t <= sms &&
+            100 * 2 * t >= SIXTEEN_WARP_PUSH_MIN_FILL_PCT * sms && chunk >= SIXTEEN_WARP_MIN_STEPS_PER_WARP &&
+            chunk <= SIXTEEN_WARP_PUSH_MAX_CHUNK)
+            return true;
+        if (splits3 < SIXTEEN_WARP_MANY_SPLITS && !short_k5) return false;
         return 100 * t * splits11 >= SIXTEEN_WARP_MIN_FILL_PCT * sms &&
                (k_bits == 5 || chunk <= SIXTEEN_WARP_SHORT_CHUNK);
     };
