@@ -212,6 +212,11 @@
 //      k = 4, 28672 x 8192 M=1 56.7 -> 53.5 us (split-K filled 224 of 264 slots), but 14336 x 4096
 //      18.6 -> 19.3, 8192 x 8192 19.1 -> 21.2 and 4096 x 14336 (17 CTAs per tile) 18.3 -> 23.7 at
 //      M = 1, and slower at M = 16 and 64 too. Grid split-K kept.
+//    - resident A for configs 9 and 11 (a CTA's whole A in shared memory, one slot per k-step filled by per-row
+//      bulk copies on its own mbarrier, no CTA barrier in the loop; branch exp/resident-a): H100, M = 16, k = 2,
+//      14336 x 4096 13.6 -> 17.1 us, 8192 x 8192 14.3 -> 17.6. Timing-only builds without the table reads, 7 of 8
+//      ldmatrix and the A refills (KBIT_PROBE_NO_TABLE, _ONE_LDMATRIX, _NO_A_REFILL) took M = 16, k = 2 only to
+//      12.3-13.0 us: shared memory is not what bounds M = 16 (docs/kernel.md "M = 16 without its shared-memory reads").
 //    - the wide config reaches 0.37x cuBLAS at M = 4096; above 256 tokens the staged path (dequantize
 //      + cuBLAS, backends/cuda/ops.py) runs instead, and on Hopper config 7 up to M = 2048.
 //    - more split-K (the SM count overridden so splits = 3..8 on 28672 x 8192 M=1): k = 2 48.5 -> 44.1 us
@@ -1151,8 +1156,14 @@ template <class Cfg, int U>
 __device__ __forceinline__ void lookup_frag_a(uint32_t (&frag_a)[4], const uint32_t* r_w, uint32_t s_lut,
                                               uint32_t lane_off) {
     if constexpr (Cfg::QUAD_LUT) { // quad 2U + h = registers 2h, 2h + 1: consecutive, no moves for the MMA
+#ifdef KBIT_PROBE_NO_TABLE // timing probe only: the table addresses as the fragment (no LDS, wrong values)
+        const uint32_t x0 = quad_lut_addr<Cfg, 2 * U>(r_w, lane_off), x1 = quad_lut_addr<Cfg, 2 * U + 1>(r_w, lane_off);
+        const uint2 q0 = make_uint2(x0, x0 ^ 0x3c003c00u), q1 = make_uint2(x1, x1 ^ 0x3c003c00u);
+        (void)s_lut;
+#else
         const uint2 q0 = lds64(s_lut + quad_lut_addr<Cfg, 2 * U>(r_w, lane_off));
         const uint2 q1 = lds64(s_lut + quad_lut_addr<Cfg, 2 * U + 1>(r_w, lane_off));
+#endif
         frag_a[0] = q0.x;
         frag_a[1] = q0.y;
         frag_a[2] = q1.x;
@@ -1702,6 +1713,11 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
 // the register ring), A from the shared slot s_a.
 // a_off[mb]: this lane's ldmatrix row address (token mb*8 + lane % 8, clamped to the tile's last row < M: rows
 // past M are not copied; at M < 8 the lanes then share rows and the read broadcasts; chunk lane / 8 of a block)
+#ifdef KBIT_PROBE_ONE_LDMATRIX // timing probe only: every block reads block 0's token fragments (wrong values)
+#define KBIT_PROBE_BLK(BLK) 0
+#else
+#define KBIT_PROBE_BLK(BLK) (BLK)
+#endif
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg::MB][4],
                                                        const uint32_t (&r_w)[Cfg::MT][Cfg::Fmt::LANE_WORDS],
@@ -1711,7 +1727,7 @@ __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg
 #define KBIT_SHARED_A_BLOCK(BLK)                                                                                    \
     {                                                                                                           \
         uint4 r_b[Cfg::MB];                                                                                     \
-        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) ldmatrix_b_frags(r_b[mb], s_a + a_off[mb] + (BLK) * 64); \
+        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) ldmatrix_b_frags(r_b[mb], s_a + a_off[mb] + KBIT_PROBE_BLK(BLK) * 64); \
         _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++)                                                  \
             block_mma<Cfg, T, BLK>(acc[mt], r_w[mt], r_abs[mt], r_b, s_lut, lane_off);                          \
     }
@@ -1942,7 +1958,11 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
 #pragma unroll
                 for (int q = 0; q < P; q++) { // steps i+S-P .. i+S-1 into the slots of i-P .. i-1
                     const int st = i + S - P + q;
+#ifdef KBIT_PROBE_NO_A_REFILL // timing probe only: the loop computes on the prefill's A (wrong values)
+                    if (false)
+#else
                     if (st < n_steps)
+#endif
                         load_a_shared_async<Cfg>(s_a_ring + 4 * (st % S) * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st,
                                                  n_steps, k_end);
                 }

@@ -147,6 +147,7 @@ def main():
                         paths[name] = (run, rot)
                     except Exception as exc:  # noqa: BLE001
                         failed[name] = f"fail:{type(exc).__name__}"
+                        print(f"{name}: {exc}"[:300], file=sys.stderr)
                 times = median_us_graphs_interleaved(paths, rounds=args.rounds, iters=4, settle_calls=args.settle)
                 cells = []
                 for name in ["fp16", "nf4"] + [v[0] for v in variants]:
