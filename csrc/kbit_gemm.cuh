@@ -873,6 +873,8 @@ template <class Cfg> struct StreamCursor {
             constexpr int G = KBIT_PROBE_UNIT_GROUP;
             const int n16c = min(n16, p.n16_tiles - 1);
             const long long unit = ((long long)(n16c / G) * p.k_steps + kstep) * G + n16c % G;
+#elif defined(KBIT_PROBE_L2_WEIGHTS) // timing probe only: units mod KBIT_PROBE_L2_WEIGHTS, a weight slice the L2 holds
+            const long long unit = (long long)(min(n16, p.n16_tiles - 1) % KBIT_PROBE_L2_WEIGHTS) * p.k_steps + kstep;
 #else
             const long long unit = (long long)min(n16, p.n16_tiles - 1) * p.k_steps + kstep;
 #endif
