@@ -47,7 +47,8 @@ static bool check_launch(const char* what) {
     X(10, 1, 2, 2, 1, 7) /* config 2 as 224 x 8 (7 warps): a lighter busiest SM where 256-row tiles leave slots idle */ \
     X(11, 2, 2, 1, 4, 4) /* config 3 as 128 x 16, 16 warps (4 along k), one CTA per SM: no split-K where its tiles fill  \
                             3/4 to all of the SMs (sm_90: 226 KB)                                                    */ \
-    X(12, 1, 2, 2, 8, 1) /* config 2 as 32 x 8, 8 warps along k: 4096-row weights in one or two splits at M = 1   */
+    X(12, 1, 2, 2, 8, 1) /* config 2 as 32 x 8, 8 warps along k: 4096-row weights in one or two splits at M = 1   */ \
+    X(13, 2, 2, 1, 2, 7) /* config 11 as 224 x 16, 14 warps (7 along n x 2 along k), one CTA per SM                 */
 
 // wgmma configs (KbitWgmmaConfig, sm_90a only: kbit_gemm_wgmma.cuh; 8 warps along n, one CTA per SM):
 //   id  TOK MT WARPS   reason
@@ -56,8 +57,9 @@ static bool check_launch(const char* what) {
 // warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
 // tokens, producer warps (bulk copies of the weights, TMA of the tokens) and 2 consumer warpgroups
 constexpr int WS_CONFIG = 7;
-constexpr int NUM_CONFIGS = 13;
+constexpr int NUM_CONFIGS = 14;
 constexpr int SIXTEEN_WARP_CONFIG = 11;   // config 3 as 16 warps in a CTA per SM
+constexpr int FOURTEEN_WARP_CONFIG = 13;  // config 11 as 224-row tiles: 14 warps in a CTA per SM
 constexpr int WARPS_K_CONFIG_OFFSET = 6; // configs 8, 9 = configs 2, 3 with two warps along k
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
 constexpr int WIDE_CONFIG = 5;            // MB = 8
@@ -135,7 +137,8 @@ static bool wgmma_available() {
 static bool config_available(int id) {
     if (id < 0 || id >= NUM_CONFIGS) return false;
     if (id == FIRST_WGMMA_CONFIG || id == WS_CONFIG) return wgmma_available();
-    if (id == WIDE_CONFIG || id == SIXTEEN_WARP_CONFIG) return device_smem_optin() >= 226 * 1024;
+    if (id == WIDE_CONFIG || id == SIXTEEN_WARP_CONFIG || id == FOURTEEN_WARP_CONFIG)
+        return device_smem_optin() >= 226 * 1024;
     return true;
 }
 // ---------------------------------------------------------------------------------------------
@@ -506,6 +509,15 @@ constexpr int SIXTEEN_WARP_MANY_SPLITS = 12, SIXTEEN_WARP_MIN_FILL_PCT = 70, SIX
 #define KBIT_SIXTEEN_WARP_PUSH_MAX_CHUNK 8
 #endif
 constexpr int SIXTEEN_WARP_PUSH_MIN_FILL_PCT = 90, SIXTEEN_WARP_PUSH_MAX_CHUNK = KBIT_SIXTEEN_WARP_PUSH_MAX_CHUNK;
+// Config 13 (224-row tiles, 7 warps along n x 2 along k, one CTA per SM) instead of config 11 at M = 9..16 where its
+// plan (one split, or two pushed through 2-CTA clusters) puts CTAs on more SMs than config 11's and on at least
+// FOURTEEN_WARP_MIN_FILL_PCT of them: a call is as long as one CTA (config 11 forced on 112 / 120 / 132 tiles of
+// 4096 k: 14.2 / 14.0 / 14.6 us at M = 16, k = 2), so less work on each of more SMs. 14336 x 4096: 112 CTAs of 128
+// rows -> 128 of 224 rows x half of K (docs/kernel.md "Config 13"). 0 switches the rule off.
+#ifndef KBIT_FOURTEEN_WARP_MIN_FILL_PCT
+#define KBIT_FOURTEEN_WARP_MIN_FILL_PCT 95
+#endif
+constexpr int FOURTEEN_WARP_MIN_FILL_PCT = KBIT_FOURTEEN_WARP_MIN_FILL_PCT;
 static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
     const ConfigInfo c = config_info(config);
     const int splits = choose_splits(c, M, N, K_dim, sm_count);
@@ -620,9 +632,19 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         else
             warps_k = splits >= WARPS_K_MIN_SPLITS &&
                       split_steps <= (k_bits == 5 ? WARPS_K_MAX_SPLIT_STEPS_K5 : WARPS_K_MAX_SPLIT_STEPS);
-        if (config == FIRST_SHARED_A_CONFIG + 1 && !mid_m_l2 && sixteen_warps_win(splits))
+        if (config == FIRST_SHARED_A_CONFIG + 1 && !mid_m_l2 && sixteen_warps_win(splits)) {
             config = SIXTEEN_WARP_CONFIG; // the k chunks summed in shared memory instead of (most of the) split-K
-        else if (!mid_m_l2 && warps_k)
+            if (FOURTEEN_WARP_MIN_FILL_PCT > 0 && M > 8 && M <= PER_WARP_MAX_M &&
+                config_available(FOURTEEN_WARP_CONFIG)) {
+                const int splits13 = choose_splits(config_info(FOURTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
+                const long long ctas13 = tiles(FOURTEEN_WARP_CONFIG) * splits13,
+                                ctas11 = tiles(SIXTEEN_WARP_CONFIG) *
+                                         choose_splits(config_info(SIXTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
+                if ((splits13 == 1 || (splits13 == 2 && split_k_push_max_splits() >= 2)) && ctas13 <= sms &&
+                    ctas13 > ctas11 && 100 * ctas13 >= FOURTEEN_WARP_MIN_FILL_PCT * sms)
+                    return Dispatch{FOURTEEN_WARP_CONFIG, splits13};
+            }
+        } else if (!mid_m_l2 && warps_k)
             config += WARPS_K_CONFIG_OFFSET;
         else if (config == FIRST_SHARED_A_CONFIG &&
                  sm_load(SEVEN_WARP_CONFIG, M, N, K_dim, sm_count) < sm_load(config, M, N, K_dim, sm_count))

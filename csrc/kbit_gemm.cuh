@@ -873,10 +873,12 @@ template <class Cfg> struct StreamCursor {
             constexpr int G = KBIT_PROBE_UNIT_GROUP;
             const int n16c = min(n16, p.n16_tiles - 1);
             const long long unit = ((long long)(n16c / G) * p.k_steps + kstep) * G + n16c % G;
-#elif defined(KBIT_PROBE_L2_WEIGHTS) // timing probe only: units mod KBIT_PROBE_L2_WEIGHTS, a weight slice the L2 holds
+#else
+#ifdef KBIT_PROBE_L2_WEIGHTS // timing probe only: units mod KBIT_PROBE_L2_WEIGHTS, a weight slice the L2 holds
             const long long unit = (long long)(min(n16, p.n16_tiles - 1) % KBIT_PROBE_L2_WEIGHTS) * p.k_steps + kstep;
 #else
             const long long unit = (long long)min(n16, p.n16_tiles - 1) * p.k_steps + kstep;
+#endif
 #endif
             g_w[mt] = p.B + unit * F::UNIT_WORDS + lane * 4;
             g_abs[mt] = reinterpret_cast<const char*>(p.B_absmax) +
@@ -1594,7 +1596,7 @@ template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_, int WAR
 struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true, BLOCK_COLUMNS_> {
     using Base = KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true, BLOCK_COLUMNS_>;
     static_assert(WARPS_N_ * WARPS_K_ == 8 || (WARPS_K_ == 1 && WARPS_N_ == 7) ||
-                      (WARPS_N_ * WARPS_K_ == 16 && CTAS_PER_SM_ == 1),
+                      ((WARPS_N_ * WARPS_K_ == 16 || WARPS_N_ * WARPS_K_ == 14) && CTAS_PER_SM_ == 1),
                   "8 warps = WARPS_N x WARPS_K, 7 along n (224-row tiles), or 16 in a CTA per SM (config 11)");
     // With WARPS_K > 1 the CTA's k-steps are cut into WARPS_K contiguous chunks (one per warp along k, so each warp
     // streams its weight rows in order); a "CTA step" is step i of every chunk: an A slot holds WARPS_K k-steps
@@ -1715,21 +1717,21 @@ __device__ __forceinline__ void load_a_shared_async(uint32_t s_a, const KbitGemm
 // the register ring), A from the shared slot s_a.
 // a_off[mb]: this lane's ldmatrix row address (token mb*8 + lane % 8, clamped to the tile's last row < M: rows
 // past M are not copied; at M < 8 the lanes then share rows and the read broadcasts; chunk lane / 8 of a block)
-#ifdef KBIT_PROBE_ONE_LDMATRIX // timing probe only: every block reads block 0's token fragments (wrong values)
-#define KBIT_PROBE_BLK(BLK) 0
-#else
-#define KBIT_PROBE_BLK(BLK) (BLK)
-#endif
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg::MB][4],
                                                        const uint32_t (&r_w)[Cfg::MT][Cfg::Fmt::LANE_WORDS],
                                                        const uint32_t (&r_abs)[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4],
                                                        uint32_t s_a, const uint32_t (&a_off)[Cfg::MB], uint32_t s_lut,
                                                        uint32_t lane_off) {
+#ifdef KBIT_PROBE_ONE_LDMATRIX // timing probe only: every block reads block 0's token fragments (wrong values)
+    constexpr uint32_t A_BLOCK_BYTES = 0;
+#else
+    constexpr uint32_t A_BLOCK_BYTES = 2 * BLOCK_ELEMS; // a quantization block of one token row
+#endif
 #define KBIT_SHARED_A_BLOCK(BLK)                                                                                    \
     {                                                                                                           \
         uint4 r_b[Cfg::MB];                                                                                     \
-        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) ldmatrix_b_frags(r_b[mb], s_a + a_off[mb] + KBIT_PROBE_BLK(BLK) * 64); \
+        _Pragma("unroll") for (int mb = 0; mb < Cfg::MB; mb++) ldmatrix_b_frags(r_b[mb], s_a + a_off[mb] + (BLK) * A_BLOCK_BYTES); \
         _Pragma("unroll") for (int mt = 0; mt < Cfg::MT; mt++)                                                  \
             block_mma<Cfg, T, BLK>(acc[mt], r_w[mt], r_abs[mt], r_b, s_lut, lane_off);                          \
     }
