@@ -1597,7 +1597,7 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
     using Base = KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true, BLOCK_COLUMNS_>;
     static_assert(WARPS_N_ * WARPS_K_ == 8 || (WARPS_K_ == 1 && WARPS_N_ == 7) ||
                       ((WARPS_N_ * WARPS_K_ == 16 || WARPS_N_ * WARPS_K_ == 14) && CTAS_PER_SM_ == 1),
-                  "8 warps = WARPS_N x WARPS_K, 7 along n (224-row tiles), or 16 in a CTA per SM (config 11)");
+                  "8 warps = WARPS_N x WARPS_K, 7 along n (224-row tiles), or 16 or 14 in a CTA per SM (configs 11, 13)");
     // With WARPS_K > 1 the CTA's k-steps are cut into WARPS_K contiguous chunks (one per warp along k, so each warp
     // streams its weight rows in order); a "CTA step" is step i of every chunk: an A slot holds WARPS_K k-steps
     static constexpr int A_STEP_K = UNIT_K * WARPS_K_;
