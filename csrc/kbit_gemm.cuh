@@ -1150,9 +1150,14 @@ __device__ __forceinline__ float scale_f32(const uint32_t (&r_abs)[Cfg::ABS_BYTE
 // quad LUT byte address of quad R = 2u + h of a lane (k = 2: pairs 4u + 2h, + 1): byte R % 4 of lo word R / 4
 template <class Cfg, int R> __device__ __forceinline__ uint32_t quad_lut_addr(const uint32_t* r_w, uint32_t lane_off) {
     constexpr int LS = Cfg::LUT_STRIDE_LOG2;
+#ifdef KBIT_PROBE_QUAD_ONE_OP // timing probe only: one LOP3 per quad address, no shift (wrong values; a distinct
+                              // in-table address per quad, so nothing folds): what a one-instruction address saves
+    return (r_w[R / 4] & ((0xFFu << LS) & ~((uint32_t)(R % 4) << LS))) | lane_off;
+#else
     constexpr int SH = 8 * (R % 4) - LS;
     const uint32_t w = r_w[R / 4];
     return ((SH >= 0 ? w >> (SH >= 0 ? SH : 0) : w << (SH < 0 ? -SH : 0)) & (0xFFu << LS)) | lane_off;
+#endif
 }
 
 // the unscaled A-operand fragment (codebook values, times the LUT factor) of MMA u = 2*blk + s of a unit
@@ -1187,12 +1192,16 @@ __device__ __forceinline__ void dequant_block(uint32_t (&frag0)[4], uint32_t (&f
                                               uint32_t lane_off) {
     lookup_frag_a<Cfg, 2 * BLK>(frag0, r_w, s_lut, lane_off);
     lookup_frag_a<Cfg, 2 * BLK + 1>(frag1, r_w, s_lut, lane_off);
+#ifdef KBIT_PROBE_NO_SCALE // timing probe only: the fragments stay unscaled (wrong values): the scales' cost
+    (void)r_abs;
+#else
     const uint32_t sc_g = scale_pair<Cfg, T>(r_abs, BLK), sc_g8 = scale_pair<Cfg, T>(r_abs, 4 + BLK);
 #pragma unroll
     for (int j = 0; j < 4; j++) { // register j: row g (j even) or g + 8 (j odd)
         frag0[j] = Pack2<T>::mul(frag0[j], (j & 1) ? sc_g8 : sc_g);
         frag1[j] = Pack2<T>::mul(frag1[j], (j & 1) ? sc_g8 : sc_g);
     }
+#endif
 }
 
 // dequant + MMAs of quantization block BLK (MMAs u = 2 BLK, 2 BLK + 1) of one unit, for MB token tiles
