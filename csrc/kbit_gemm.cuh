@@ -382,9 +382,13 @@ struct KbitGemmConfig {
     // bounds the loop (section 7): H200 M = 1, us, with / without: k = 3 28672 x 8192 59.4 / 60.6,
     // 8192 x 28672 53.4 / 54.6; k = 4 57.5 / 55.4, 51.3 / 50.1; k = 2 46.8 / 46.0. Kept for k = 3 only.
     // Again with the weights in registers (H100, us): k = 2 38.2 / 38.1, k = 4 51.4 / 50.7, k = 5 79.4 / 76.9.
+    // k = 2 at two token tiles (M = 9 / 16, H100, us, without / with): 14336 x 4096 12.5 / 13.1-13.2 and 13.3 /
+    // 13.7-13.8, 4096 x 14336 13.1-13.2 / 13.4-13.5 and 14.0-14.1 / 14.3-14.4, 8192 x 8192 13.4-13.5 / 14.1-14.3
+    // and 14.4 / 15.0-15.1 (docs/kernel.md "The tensor pipe at M = 16").
 #ifndef KBIT_POST_SCALE_MAX_MB // POST_SCALE up to this many token tiles (dev/build_variant.sh)
 #define KBIT_POST_SCALE_MAX_MB 1
 #endif
+
     // BLOCK_COLUMNS (M = 1, one-tile shared-A configs): block b of a k-step is multiplied into token column b
     // (section 3), the scale applied per k-step in fp32
     static constexpr bool BLOCK_COLUMNS = BLOCK_COLUMNS_;
