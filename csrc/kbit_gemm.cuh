@@ -1957,7 +1957,11 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
         }
     if constexpr (Cfg::CODEBOOK_BY_CP_ASYNC) { // the kernel's first copy group: all but the A prefill's
         cp_async_wait<(S - P) / P>();
+#ifdef KBIT_PROBE_CODEBOOK_CONST // timing probe only: no codebook copy (its group stays, empty)
+        build_lut<Cfg, T, true>(s_lut_ptr, load_codebook_entry(p), p);
+#else
         build_lut<Cfg, T, true>(s_lut_ptr, __uint_as_float(lds32(codebook_slot<Cfg>(s_a_ring))), p);
+#endif
     } else {
         build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p);
     }
@@ -2057,8 +2061,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     if constexpr (Cfg::CODEBOOK_BY_CP_ASYNC) {
         const uint32_t s_a_ring = (uint32_t)__cvta_generic_to_shared(s_mem) + 4 * Cfg::LUT_WORDS;
         const int l = threadIdx.x % 32;
+#ifndef KBIT_PROBE_CODEBOOK_CONST
         cp_async_4_zfill(codebook_slot<Cfg>(s_a_ring), p.codebook + (l < p.codebook_len ? l : 0),
                          l < p.codebook_len ? 4u : 0u);
+#else
+        (void)l;
+#endif
         cp_async_commit();
     }
     uint32_t* s_lut_ptr = s_mem;                                                 // [LUT_ENTRIES][LUT_COPIES]
