@@ -1233,8 +1233,16 @@ __device__ __forceinline__ void block_mma(float (&acc)[Cfg::MB][4], const uint32
         dequant_block<Cfg, T, BLK>(frag0, frag1, r_w, r_abs, s_lut, lane_off);
 #pragma unroll
         for (int mb = 0; mb < Cfg::MB; mb++) {
+#ifdef KBIT_PROBE_F16_ACC // timing probe only: fp16 accumulators in acc[mb][0..1], never flushed (wrong values)
+            uint32_t* h = reinterpret_cast<uint32_t*>(acc[mb]);
+            asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};\n"
+                : "+r"(h[0]), "+r"(h[1]) : "r"(frag0[0]), "r"(frag0[1]), "r"(frag0[2]), "r"(frag0[3]), "r"(r_b[mb].x), "r"(r_b[mb].y));
+            asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};\n"
+                : "+r"(h[0]), "+r"(h[1]) : "r"(frag1[0]), "r"(frag1[1]), "r"(frag1[2]), "r"(frag1[3]), "r"(r_b[mb].z), "r"(r_b[mb].w));
+#else
             mma_m16n8k16(acc[mb], frag0, r_b[mb].x, r_b[mb].y, T());
             mma_m16n8k16(acc[mb], frag1, r_b[mb].z, r_b[mb].w, T());
+#endif
         }
     }
 }

@@ -20,6 +20,11 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// the same shape with fp16 accumulators (2 registers of half2 instead of 4 floats)
+__device__ __forceinline__ void mma16816_f16acc(uint32_t* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};\n"
+                 : "+r"(d[0]), "+r"(d[1]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
@@ -53,16 +58,18 @@ template <bool HALF> __device__ __forceinline__ void alu(uint32_t& r, uint32_t x
     else asm volatile("lop3.b32 %0, %0, %1, 0x0f0f0f0f, 0x6a;" : "+r"(r) : "r"(x));
 }
 
-// N == 0: mma.sync, 8 per warp and iteration, ALU / 8 operations before each one (on the next fragment)
+// N == 0: mma.sync, 8 per warp and iteration, ALU / 8 operations before each one (on the next fragment);
+// N == -1: the same with fp16 accumulators
 // N > 0: wgmma m64nNk16, 32 m16n8k16-equivalents per warpgroup and iteration, the ALU operations before the fence
 template <int N, int ALU, bool HALF = false>
 __global__ void __launch_bounds__(512, 1) bench(int iters, float* out, long long* cycles) {
     __shared__ __align__(1024) uint8_t tok[16384];
     for (int i = threadIdx.x; i < 4096; i += blockDim.x) ((uint32_t*)tok)[i] = 0x3c003c00u * ((i & 7) == 0);
     __syncthreads();
-    constexpr int NW = N == 0 ? 0 : 32 * 2048 / (64 * N * 16); // wgmmas per warpgroup per iteration: 32 m16n8k16-eq
-    constexpr int NACC = N == 0 ? 32 : (N / 2 * (NW < 4 ? NW : 4));  // floats of accumulators per thread
-    constexpr int NF = N == 0 ? 4 : (NW < 4 ? NW : 4); // A fragments multiplied per iteration
+    constexpr bool F16ACC = N < 0;
+    constexpr int NW = N <= 0 ? 0 : 32 * 2048 / (64 * N * 16); // wgmmas per warpgroup per iteration: 32 m16n8k16-eq
+    constexpr int NACC = N <= 0 ? 32 : (N / 2 * (NW < 4 ? NW : 4));  // floats of accumulators per thread
+    constexpr int NF = N <= 0 ? 4 : (NW < 4 ? NW : 4); // A fragments multiplied per iteration
     uint32_t ab[2][4][4];
     for (int h = 0; h < 2; ++h) for (int u = 0; u < 4; ++u) for (int j = 0; j < 4; ++j) ab[h][u][j] = 0x3c003c00u ^ (threadIdx.x * 7 + u * 3 + j + h);
     const uint32_t b0 = 0x3c003c00u, b1 = 0x3c003c00u ^ threadIdx.x;
@@ -75,12 +82,13 @@ __global__ void __launch_bounds__(512, 1) bench(int iters, float* out, long long
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             uint32_t (&a)[4][4] = ab[h];
-            if constexpr (N == 0) {
+            if constexpr (N <= 0) {
 #pragma unroll
                 for (int m = 0; m < 8; ++m) {
 #pragma unroll
                     for (int q = 0; q < ALU / 8; ++q) alu<HALF>(a[(m / 2 + 1) % 4][q % 4], x);
-                    mma16816(&acc[4 * m], a[m / 2], m & 1 ? b1 : b0, m & 1 ? b0 : b1);
+                    if constexpr (F16ACC) mma16816_f16acc(reinterpret_cast<uint32_t*>(&acc[4 * m]), a[m / 2], m & 1 ? b1 : b0, m & 1 ? b0 : b1);
+                    else mma16816(&acc[4 * m], a[m / 2], m & 1 ? b1 : b0, m & 1 ? b0 : b1);
                 }
             } else {
 #pragma unroll
@@ -95,7 +103,7 @@ __global__ void __launch_bounds__(512, 1) bench(int iters, float* out, long long
             x = x * 1664525u + 1013904223u;
         }
     }
-    if constexpr (N != 0) wg_wait0();
+    if constexpr (N > 0) wg_wait0();
     long long t1 = clock64();
     float sum = 0;
     for (int i = 0; i < NACC; ++i) sum += acc[i];
@@ -113,8 +121,8 @@ template <int N, int ALU, bool HALF = false> void run(int sms, float* out, long 
     long long mx = 0;
     for (int i = 0; i < sms; ++i) mx = c[i] > mx ? c[i] : mx;
     const double per_iter_smsp = (double)mx / iters; // 32 m16n8k16-eq and 4 x ALU operations per scheduler
-    printf("%-13s %s per warp and iteration %3d: %7.1f cycles per iteration and scheduler, %5.2f per m16n8k16-eq%s\n",
-           N == 0 ? "mma.sync" : (N == 16 ? "wgmma m64n16" : N == 32 ? "wgmma m64n32" : "wgmma m64n64"),
+    printf("%-15s %s per warp and iteration %3d: %7.1f cycles per iteration and scheduler, %5.2f per m16n8k16-eq%s\n",
+           N == 0 ? "mma.sync" : N < 0 ? "mma.sync f16acc" : (N == 16 ? "wgmma m64n16" : N == 32 ? "wgmma m64n32" : "wgmma m64n64"),
            HALF ? "HMUL2" : "LOP3 ", ALU, per_iter_smsp, per_iter_smsp / 32,
            cudaGetLastError() == cudaSuccess ? "" : "  (launch error)");
 }
@@ -131,6 +139,7 @@ int main() {
     cudaGetDeviceProperties(&prop, 0);
     printf("%s, %d SMs; the same tensor work in every row (32 m16n8k16-eq per scheduler and iteration)\n", prop.name, sms);
     run<0, 0>(sms, out, cyc);  run<0, 16>(sms, out, cyc);  run<0, 32>(sms, out, cyc);  run<0, 64>(sms, out, cyc);
+    run<-1, 0>(sms, out, cyc); run<-1, 16>(sms, out, cyc); run<-1, 32>(sms, out, cyc); run<-1, 32, true>(sms, out, cyc);
     run<0, 16, true>(sms, out, cyc); run<0, 32, true>(sms, out, cyc); run<0, 64, true>(sms, out, cyc);
     run<16, 0>(sms, out, cyc); run<16, 16>(sms, out, cyc); run<16, 32>(sms, out, cyc); run<16, 64>(sms, out, cyc);
     run<16, 32, true>(sms, out, cyc);
