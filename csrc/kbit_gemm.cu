@@ -1151,10 +1151,10 @@ KBIT_GEMM_ENTRIES(3)
 KBIT_GEMM_ENTRIES(4)
 KBIT_GEMM_ENTRIES(5)
 
-#ifdef KBIT_PROBE_TIMELINE // dev/probe_timeline.py: the marks of the last shared-A launch, [65536 CTAs][8]
+#ifdef KBIT_PROBE_TIMELINE // dev/probe_timeline.py: the marks of the last shared-A launch, [65536 CTAs][16]
 int ckbit_probe_timeline(void* dst, size_t bytes, int clear) {
     if (clear) {
-        static unsigned long long zeros[8 * 4096] = {};
+        static unsigned long long zeros[16 * 4096] = {};
         for (size_t off = 0; off < sizeof(kbit::g_kbit_timeline); off += sizeof(zeros))
             cudaMemcpyToSymbol(kbit::g_kbit_timeline, zeros, sizeof(zeros), off);
         return cudaDeviceSynchronize() != cudaSuccess;

@@ -1910,17 +1910,17 @@ __device__ __forceinline__ void shared_a_loop_smem_ring(float (&acc)[Cfg::MT][Cf
 }
 
 #ifdef KBIT_PROBE_TIMELINE // timing probe only (dev/probe_timeline.py): %globaltimer at points of each CTA
-__device__ unsigned long long g_kbit_timeline[8 * 65536];
+__device__ unsigned long long g_kbit_timeline[16 * 65536]; // [CTA][16]: marks 0-6, 8-9; the SM in 7
 __device__ __forceinline__ void timeline_mark(int j) {
     if (threadIdx.x != 0) return;
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    if (cta < 65536) g_kbit_timeline[8 * cta + j] = t;
+    if (cta < 65536) g_kbit_timeline[16 * cta + j] = t;
     if (j == 0) {
         unsigned smid;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        if (cta < 65536) g_kbit_timeline[8 * cta + 7] = smid;
+        if (cta < 65536) g_kbit_timeline[16 * cta + 7] = smid;
     }
 }
 #define KBIT_TIMELINE(j) timeline_mark(j)
@@ -2044,6 +2044,7 @@ __device__ __forceinline__ void prefetch_warp_split_l2(const KbitGemmParams& p, 
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_gemm_shared_a_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
+    KBIT_TIMELINE(8);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int wn = Cfg::WARPS_K == 1 ? warp : warp % Cfg::WARPS_N, wk = Cfg::WARPS_K == 1 ? 0 : warp / Cfg::WARPS_N;
     const int n16_base = (blockIdx.x * Cfg::WARPS_N + wn) * Cfg::MT;
@@ -2119,8 +2120,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     int split = blockIdx.y, n_splits = p.k_splits;
     if (p.cluster_reduce) { // pairs of splits as 2-CTA clusters: the odd one pushes its partial into the even one
         if (!push_split_k<Cfg>(acc, (uint32_t)__cvta_generic_to_shared(s_mem) + Cfg::PUSH_RECV_OFFSET, s_push_bar_addr,
-                               wn, wk == 0, lane))
+                               wn, wk == 0, lane)) {
+            KBIT_TIMELINE(9);
             return;
+        }
         split /= 2, n_splits /= 2;
     }
 #ifdef KBIT_PROBE_NO_SPLITK_REDUCE // timing probe only: every split stores its partial as C (wrong values)

@@ -1,8 +1,8 @@
 """Where one small-M call's time goes, CTA by CTA: a library built with -DKBIT_PROBE_TIMELINE
 (dev/build_variant.sh timeline -DKBIT_PROBE_TIMELINE, then BNB_KBIT_LIBRARY=.whl/variants/timeline.so)
-marks %globaltimer in thread 0 of every shared-A CTA at entry (0), after the LUT build (1), at the first
-compute (2), after the first k-step's compute (6), after the k-loop (3), after the split-K arrival (4) and
-after the output store (5), and its SM (7). The call is the last of a CUDA graph of back-to-back calls over rotated weight copies, as the
+marks %globaltimer in thread 0 of every shared-A CTA at its first instruction (8), past the PDL wait (0), after
+the LUT build (1), at the first compute (2), after the first k-step's compute (6), after the k-loop (3), after the
+split-K arrival (4), after the output store (5) or the odd split's push (9), and its SM (7). The call is the last of a CUDA graph of back-to-back calls over rotated weight copies, as the
 benchmark times them. Prints, per shape / k / M, the spread of each phase over the CTAs (ns) and the
 phases of the CTA that ends the call.
 
@@ -23,7 +23,7 @@ from probe_paths import weight_copies
 import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit.cextension import get_lib
 
-MARKS = 8
+MARKS = 16
 MAX_CTAS = 65536
 
 
@@ -39,9 +39,12 @@ def phases(t: np.ndarray) -> dict:
     ran = t[:, 0] > 0
     t = t[ran]
     start = t[:, 0].min()
-    # non-last split CTAs leave after their arrival; a mark 5 older than mark 4 is from an earlier call
-    end = np.maximum(t[:, 5], t[:, 4])
+    # non-last split CTAs leave after their arrival, odd splits of a push after it (mark 9); a mark 5 older than
+    # mark 4 is from an earlier call
+    end = np.maximum(np.maximum(t[:, 5], t[:, 4]), t[:, 9])
     return {
+        "entry": t[:, 8] - start,  # negative: resident before the first CTA passed the PDL wait
+        "wait": t[:, 0] - t[:, 8],
         "start": t[:, 0] - start,
         "lut": t[:, 1] - t[:, 0],
         "to_loop": t[:, 2] - t[:, 1],
@@ -49,6 +52,7 @@ def phases(t: np.ndarray) -> dict:
         "loop": t[:, 3] - t[:, 2],
         "arrive": np.where(t[:, 4] > 0, t[:, 4] - t[:, 3], 0),
         "reduce_store": np.where(t[:, 5] > t[:, 4], t[:, 5] - np.maximum(t[:, 4], t[:, 3]), 0),
+        "push": np.where(t[:, 9] > 0, t[:, 9] - t[:, 3], 0),
         "end": end - start,
         "sm": t[:, 7],
     }
@@ -96,13 +100,14 @@ def main():
                 if args.brief:
                     med = {name: float(np.median(ph[name])) for name in ph}
                     print(f"{shape} k={k} M={M} {per_call_us:5.1f} us/call span {ph['end'].max() / 1000:5.2f} | median "
-                          + " ".join(f"{name} {med[name] / 1000:.2f}" for name in ("lut", "to_loop", "step0", "loop", "arrive"))
+                          + " ".join(f"{name} {med[name] / 1000:.2f}" for name in
+                                     ("entry", "wait", "lut", "to_loop", "step0", "loop", "arrive"))
                           + " | critical " + " ".join(f"{name} {ph[name][crit] / 1000:.2f}" for name in
                                                        ("lut", "step0", "loop", "arrive", "reduce_store")))
                     continue
                 print(f"{shape} k={k} M={M}: {n} CTAs on {len(set(ph['sm'].tolist()))} SMs, {per_call_us:.1f} us per call "
                       f"in the graph, first start -> last end {ph['end'].max() / 1000:.2f} us")
-                for name in ("start", "lut", "to_loop", "step0", "loop", "arrive", "reduce_store", "end"):
+                for name in ("entry", "wait", "start", "lut", "to_loop", "step0", "loop", "arrive", "reduce_store", "push", "end"):
                     v = ph[name]
                     q = np.percentile(v, [0, 50, 90, 100])
                     print(f"   {name:>12}: min {q[0]:7.0f}  median {q[1]:7.0f}  p90 {q[2]:7.0f}  max {q[3]:7.0f}"
