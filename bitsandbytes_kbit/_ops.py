@@ -7,6 +7,8 @@ backend (eager calls reach a backend without passing through the fake). Each mes
 argument, what was given and what is expected.
 """
 
+import functools
+
 import torch
 
 from .backends.default.tiled_layout import UNIT_ABSMAX, tiled_sizes
@@ -33,14 +35,12 @@ def check_k(op: str, k: int) -> None:
 
 
 def check_codebook(op: str, codebook: torch.Tensor, k: int) -> None:
-    torch._check(
-        codebook.dtype == torch.float32,
-        lambda: f"{op}: codebook has dtype {codebook.dtype}; expected torch.float32",
-    )
-    torch._check(
-        codebook.dim() == 1 and 1 <= codebook.numel() <= 2**k,
-        lambda: f"{op}: codebook has shape {tuple(codebook.shape)}; expected a 1-D tensor of 1..{2**k} entries for k={k}",
-    )
+    if codebook.dtype != torch.float32:
+        raise RuntimeError(f"{op}: codebook has dtype {codebook.dtype}; expected torch.float32")
+    if codebook.dim() != 1 or not 1 <= codebook.numel() <= 2**k:
+        raise RuntimeError(
+            f"{op}: codebook has shape {tuple(codebook.shape)}; expected a 1-D tensor of 1..{2**k} entries for k={k}"
+        )
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
@@ -94,13 +94,14 @@ def check_dequantize_args(
 
 
 def check_out(op: str, out: torch.Tensor, shape, dtype: torch.dtype, device: torch.device) -> None:
-    torch._check(
-        tuple(out.shape) == tuple(shape),
-        lambda: f"{op}: out has shape {tuple(out.shape)}; expected {tuple(shape)}",
-    )
-    torch._check(out.dtype == dtype, lambda: f"{op}: out has dtype {out.dtype}; expected {dtype}")
-    torch._check(out.device == device, lambda: f"{op}: out is on {out.device}; expected {device}")
-    torch._check(out.is_contiguous(), lambda: f"{op}: out must be contiguous")
+    if tuple(out.shape) != tuple(shape):
+        raise RuntimeError(f"{op}: out has shape {tuple(out.shape)}; expected {tuple(shape)}")
+    if out.dtype != dtype:
+        raise RuntimeError(f"{op}: out has dtype {out.dtype}; expected {dtype}")
+    if out.device != device:
+        raise RuntimeError(f"{op}: out is on {out.device}; expected {device}")
+    if not out.is_contiguous():
+        raise RuntimeError(f"{op}: out must be contiguous")
 
 
 torch.library.define(
@@ -159,6 +160,7 @@ GEMM_DTYPES = (torch.float16, torch.bfloat16)
 GEMM_ABSMAX_DTYPES = (torch.uint8, torch.float16)
 
 
+@functools.lru_cache(maxsize=1024)
 def tiled_shapes(k: int, N: int, K_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shapes of repack_kbit's outputs: ([units, words per unit], [units, absmax per unit])."""
     words, absmax = tiled_sizes(k, N, K_dim)
@@ -168,12 +170,13 @@ def tiled_shapes(k: int, N: int, K_dim: int) -> tuple[tuple[int, int], tuple[int
 
 def check_weight_shape(op: str, k: int, N: int, K_dim: int) -> None:
     check_k(op, k)
-    torch._check(N >= 1, lambda: f"{op}: N={N} must be >= 1")
-    torch._check(
-        K_dim >= 32 and K_dim % 32 == 0,
-        lambda: f"{op}: K_dim={K_dim} is not a multiple of 32 (the quantization block); pad the weight's rows "
-        "(LinearKbit does this) or quantize a K_dim that is",
-    )
+    if N < 1:
+        raise RuntimeError(f"{op}: N={N} must be >= 1")
+    if K_dim < 32 or K_dim % 32:
+        raise RuntimeError(
+            f"{op}: K_dim={K_dim} is not a multiple of 32 (the quantization block); pad the weight's rows "
+            "(LinearKbit does this) or quantize a K_dim that is"
+        )
 
 
 def check_repack_args(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int) -> None:
@@ -197,42 +200,41 @@ def check_repack_args(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int
 
 
 def check_gemm_args(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias) -> None:
-    """kbit_gemm's arguments against each other and what the kernels assume (shapes, dtypes, devices)."""
+    """kbit_gemm's arguments against each other and what the kernels assume (shapes, dtypes, devices).
+    Every eager call runs this, so it is plain comparisons (a failed one builds the message)."""
     op = "kbit_gemm"
     check_weight_shape(op, k, N, K_dim)
-    torch._check(A.dtype in GEMM_DTYPES, lambda: f"{op}: A has dtype {A.dtype}; expected torch.float16 or torch.bfloat16")
-    torch._check(A.dim() >= 1, lambda: f"{op}: A must have at least one dimension, got a scalar")
-    torch._check(
-        A.shape[-1] == K_dim,
-        lambda: f"{op}: A has {A.shape[-1]} features (shape {tuple(A.shape)}); the weight has K_dim={K_dim}",
-    )
-    (units, words), (_, absmax_per_unit) = tiled_shapes(k, N, K_dim)
-    torch._check(
-        B_packed.dtype == torch.int32, lambda: f"{op}: B_packed has dtype {B_packed.dtype}; expected torch.int32"
-    )
-    torch._check(
-        tuple(B_packed.shape) == (units, words),
-        lambda: f"{op}: B_packed has shape {tuple(B_packed.shape)}; expected {(units, words)} for k={k}, N={N}, "
-        f"K_dim={K_dim} (the output of repack_kbit, not the flat quantize_kbit words)",
-    )
-    torch._check(
-        B_absmax.dtype in GEMM_ABSMAX_DTYPES,
-        lambda: f"{op}: B_absmax has dtype {B_absmax.dtype}; expected torch.uint8 (E4M4) or torch.float16",
-    )
-    torch._check(
-        tuple(B_absmax.shape) == (units, absmax_per_unit),
-        lambda: f"{op}: B_absmax has shape {tuple(B_absmax.shape)}; expected {(units, absmax_per_unit)} "
-        "(the output of repack_kbit)",
-    )
-    check_codebook(op, codebook, k)
-    tensors = {"A": A, "B_packed": B_packed, "B_absmax": B_absmax, "codebook": codebook}
-    if bias is not None:
-        torch._check(
-            tuple(bias.shape) == (N,), lambda: f"{op}: bias has shape {tuple(bias.shape)}; expected ({N},)"
+    if A.dtype not in GEMM_DTYPES:
+        raise RuntimeError(f"{op}: A has dtype {A.dtype}; expected torch.float16 or torch.bfloat16")
+    if A.dim() < 1:
+        raise RuntimeError(f"{op}: A must have at least one dimension, got a scalar")
+    if A.shape[-1] != K_dim:
+        raise RuntimeError(f"{op}: A has {A.shape[-1]} features (shape {tuple(A.shape)}); the weight has K_dim={K_dim}")
+    words_shape, absmax_shape = tiled_shapes(k, N, K_dim)
+    if B_packed.dtype != torch.int32:
+        raise RuntimeError(f"{op}: B_packed has dtype {B_packed.dtype}; expected torch.int32")
+    if B_packed.shape != words_shape:
+        raise RuntimeError(
+            f"{op}: B_packed has shape {tuple(B_packed.shape)}; expected {words_shape} for k={k}, N={N}, "
+            f"K_dim={K_dim} (the output of repack_kbit, not the flat quantize_kbit words)"
         )
-        torch._check(bias.dtype == A.dtype, lambda: f"{op}: bias has dtype {bias.dtype}; expected {A.dtype} (A's)")
-        tensors["bias"] = bias
-    check_same_device(op, **tensors)
+    if B_absmax.dtype not in GEMM_ABSMAX_DTYPES:
+        raise RuntimeError(f"{op}: B_absmax has dtype {B_absmax.dtype}; expected torch.uint8 (E4M4) or torch.float16")
+    if B_absmax.shape != absmax_shape:
+        raise RuntimeError(
+            f"{op}: B_absmax has shape {tuple(B_absmax.shape)}; expected {absmax_shape} (the output of repack_kbit)"
+        )
+    check_codebook(op, codebook, k)
+    device = A.device
+    if bias is not None:
+        if bias.shape != (N,):
+            raise RuntimeError(f"{op}: bias has shape {tuple(bias.shape)}; expected ({N},)")
+        if bias.dtype != A.dtype:
+            raise RuntimeError(f"{op}: bias has dtype {bias.dtype}; expected {A.dtype} (A's)")
+        if bias.device != device:
+            check_same_device(op, A=A, bias=bias)
+    if B_packed.device != device or B_absmax.device != device or codebook.device != device:
+        check_same_device(op, A=A, B_packed=B_packed, B_absmax=B_absmax, codebook=codebook)
 
 
 torch.library.define(

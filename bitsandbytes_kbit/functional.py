@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch
 
 from . import _ops  # noqa: F401  (defines the torch.library ops)
-from ._ops import check_k
+from ._ops import GEMM_DTYPES, check_gemm_args, check_k, check_out
 from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
 from .backends.default.ops import e4m4_table
 from .backends.default.ops import encode_absmax_e4m4 as _encode_e4m4
@@ -224,7 +224,51 @@ def kbit_gemm(
     A is float16 or bfloat16 of shape [..., K] (leading dims are flattened to M, any M >= 1);
     C has shape [..., N] and A's dtype; accumulation is float32. With ``out`` the result is
     written in place and nothing is allocated (CUDA-graph friendly)."""
+    launch = _eager_launcher(A, bias)
+    if launch is not None:
+        check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K, bias)
+        if out is None:
+            out = torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
+        else:
+            check_out("kbit_gemm", out, (*A.shape[:-1], N), A.dtype, A.device)
+        launch(A, B_packed, B_absmax, codebook.contiguous(), k, N, K, bias, out)
+        return out
     if out is not None:
         torch.ops.bitsandbytes.kbit_gemm.out(A, B_packed, B_absmax, codebook, k, N, K, bias, out)
         return out
     return torch.ops.bitsandbytes.kbit_gemm(A, B_packed, B_absmax, codebook, k, N, K, bias)
+
+
+# Device type -> the eager launcher of the fused GEMM, (A, B_packed, B_absmax, codebook, k, N, K, bias, out) -> None,
+# registered by a backend at import (backends/cuda/ops.py). An eager call on plain tensors goes straight to it after the
+# same checks the op runs: the op's Python kernel behind the dispatcher costs more host time than the kernel takes at
+# decode sizes. Under torch.compile, tensor subclasses, dispatch modes or autograd the call takes the op.
+_eager_gemm: dict = {}
+
+
+def _eager_launcher(A: torch.Tensor, bias: Optional[torch.Tensor]):
+    if torch.compiler.is_compiling() or type(A) is not torch.Tensor or torch._C._len_torch_dispatch_stack():
+        return None
+    if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    return _eager_gemm.get(A.device.type)
+
+
+def _kbit_gemm_prepared(
+    A: torch.Tensor, B_packed: torch.Tensor, B_absmax: torch.Tensor, codebook: torch.Tensor, k: int, N: int, K: int,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``kbit_gemm`` for a caller that owns the weight (``LinearKbit``): the repacked weight, codebook and bias were
+    checked when they were made, so an eager call checks only A against them (dtype, features, device)."""
+    launch = _eager_launcher(A, bias)
+    if (
+        launch is None
+        or A.dtype not in GEMM_DTYPES
+        or A.shape[-1] != K
+        or A.get_device() != B_packed.get_device()
+        or (bias is not None and bias.dtype != A.dtype)
+    ):
+        return kbit_gemm(A, B_packed, B_absmax, codebook, k, N, K, bias)
+    out = torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
+    launch(A, B_packed, B_absmax, codebook, k, N, K, bias, out)
+    return out

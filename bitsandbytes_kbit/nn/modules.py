@@ -452,32 +452,44 @@ class LinearKbit(nn.Linear):
             self._to_tiled()
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _ensure_layout(self, fused: bool) -> None:
+        """Quantize if needed, then hold the storage repacked (fused) or flat."""
         if not self.is_quantized:
             self.quantize_()
+        if fused != self._tiled:
+            self._to_tiled() if fused else self._to_flat()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # a plain check: Dynamo folds it (a torch._check closure breaks the graph)
             raise ValueError(f"LinearKbit: input has {x.shape[-1]} features; expected in_features={self.in_features}")
         compute_dtype = self.compute_dtype or x.dtype
-        h = x.to(compute_dtype)
-        pad = self.padded_in_features - self.in_features
-        if pad:
-            h = F.pad(h, (0, pad))
-        bias = self.bias.to(compute_dtype) if self.bias is not None else None
+        h = x if x.dtype == compute_dtype else x.to(compute_dtype)
+        if self.padded_in_features != self.in_features:
+            h = F.pad(h, (0, self.padded_in_features - self.in_features))
+        bias = self.bias
+        if bias is not None and bias.dtype != compute_dtype:
+            bias = bias.to(compute_dtype)
         fused = compute_dtype in GEMM_DTYPES and h.device.type in self.fused_device_types
-        if fused != self._tiled:
-            self._to_tiled() if fused else self._to_flat()
-        y = _KbitLinearFunction.apply(
-            h,
-            self.weight,
-            self.absmax,
-            self.codebook,
-            bias,
-            fused,
-            self.k,
-            self.out_features,
-            self.padded_in_features,
-        )
-        return y.to(x.dtype)
+        if fused != self._tiled or not (fused or self.is_quantized):  # a tiled weight is quantized
+            self._ensure_layout(fused)
+        if fused and not (torch.is_grad_enabled() and (h.requires_grad or (bias is not None and bias.requires_grad))):
+            # Inference: no autograd node, and an eager call goes straight to the kernel.
+            y = kbit_F._kbit_gemm_prepared(
+                h, self.weight, self.absmax, self.codebook, self.k, self.out_features, self.padded_in_features, bias
+            )
+        else:
+            y = _KbitLinearFunction.apply(
+                h,
+                self.weight,
+                self.absmax,
+                self.codebook,
+                bias,
+                fused,
+                self.k,
+                self.out_features,
+                self.padded_in_features,
+            )
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         cd = f", compute_dtype={self.compute_dtype}" if self.compute_dtype is not None else ""

@@ -19,6 +19,7 @@ from ..._ops import (
     register_kernel,
     tiled_shapes,
 )
+from ... import functional as _functional
 from ...cextension import get_lib
 from ..default.ops import check_finite
 
@@ -80,16 +81,21 @@ def _stream(t: torch.Tensor) -> ct.c_void_p:
     return ct.c_void_p(torch._C._cuda_getCurrentRawStream(t.device.index))
 
 
-def _call(op: str, fn, *args) -> None:
-    """Call a C entry; a nonzero return is an error: the GEMM entries leave their message in
+def _raise(op: str, fn, err: int) -> None:
+    """A nonzero return of a C entry is an error: the GEMM entries leave their message in
     ckbit_last_error, the others return a cudaError_t."""
+    lib = get_lib()
+    lib.ckbit_last_error.restype = ct.c_char_p
+    lib.ckbit_error_string.restype = ct.c_char_p
+    detail = lib.ckbit_last_error().decode() if fn.__name__.startswith("ckbit_") else ""
+    raise RuntimeError(f"{op}: {detail or 'CUDA error ' + str(err) + ': ' + lib.ckbit_error_string(err).decode()}")
+
+
+def _call(op: str, fn, *args) -> None:
+    """Call a C entry and raise on a nonzero return."""
     err = fn(*args)
     if err != 0:
-        lib = get_lib()
-        lib.ckbit_last_error.restype = ct.c_char_p
-        lib.ckbit_error_string.restype = ct.c_char_p
-        detail = lib.ckbit_last_error().decode() if fn.__name__.startswith("ckbit_") else ""
-        raise RuntimeError(f"{op}: {detail or 'CUDA error ' + str(err) + ': ' + lib.ckbit_error_string(err).decode()}")
+        _raise(op, fn, err)
 
 
 @register_kernel("bitsandbytes::quantize_kbit", "cuda")
@@ -313,40 +319,65 @@ def _staged_preferred(lib, device, M, N, K_dim, k, sms) -> bool:
         return bool(lib.ckbit_gemm_staged_preferred(M, N, K_dim, k, sms))
 
 
+@functools.cache
+def _gemm_entry(dtype: torch.dtype, absmax_dtype: torch.dtype, k: int) -> ct._CFuncPtr:
+    return _entry("ckbit_gemm_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[dtype], absmax=_GEMM_ABSMAX_NAME[absmax_dtype], k=k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace_bytes(M: int, N: int, K_dim: int, k: int, sms: int) -> int:
+    lib = get_lib()
+    lib.ckbit_gemm_workspace_bytes.restype = ct.c_size_t
+    lib.ckbit_gemm_workspace_bytes.argtypes = [ct.c_int] * 5
+    return lib.ckbit_gemm_workspace_bytes(M, N, K_dim, k, sms)
+
+
 def kbit_gemm_cuda(
     A, B_packed, B_absmax, codebook, k, N, K_dim, bias, out, config: int = -1, sm_count: int = 0, path: str = "auto"
 ) -> None:
-    """C = A @ W^T (+ bias) into ``out`` ([..., N], A's dtype).
+    """C = A @ W^T (+ bias) into ``out`` ([..., N], A's dtype). Arguments are checked by the caller.
 
     path: "auto" (the fused kernel up to STAGED_MIN_M - 1 tokens; above, staged unless the native dispatcher
     takes the call with its warp-specialised Hopper config), "fused" or "staged".
     config forces one compiled configuration of the fused kernel (-1: its dispatcher picks) and
-    sm_count overrides the SM count it plans with, so tests reach every config and split on any GPU."""
-    A2 = A.reshape(-1, K_dim)
-    if A2.stride(-1) != 1 or A2.stride(0) < K_dim or A2.data_ptr() % 16 or A2.stride(0) % 8:
-        A2 = A2.contiguous()
-    M = A2.shape[0]
+    sm_count overrides the SM count it plans with, so tests reach every config and split on any GPU.
+
+    This is the whole host path of a decode-time call, so it does only what each call needs: cached entry
+    points, workspace sizes and SM counts, plain ints for the pointers, and a device switch only when A is
+    not on the current device."""
+    if A.is_contiguous() and A.data_ptr() % 16 == 0:
+        A2, M, lda = A, A.numel() // K_dim, K_dim  # the kernel reads rows of lda elements: no view needed
+    else:
+        A2 = A.reshape(-1, K_dim)
+        if A2.stride(-1) != 1 or A2.stride(0) < K_dim or A2.data_ptr() % 16 or A2.stride(0) % 8:
+            A2 = A2.contiguous()
+        M, lda = A2.shape[0], A2.stride(0)
     if M == 0:
         return
-    device = A.device
-    sms = sm_count or _sm_count(device.index)
-    lib = get_lib()
-    large_m = path == "auto" and config < 0 and M >= STAGED_MIN_M
-    staged = path == "staged" or (large_m and _staged_preferred(lib, device, M, N, K_dim, k, sms))
-    if staged and _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
-        return  # else (no scratch under graph capture) the fused kernel
-    fn = _entry(
-        "ckbit_gemm_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[A.dtype], absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype], k=k
+    index = A.get_device()
+    sms = sm_count or _sm_count(index)
+    if path == "staged" or (
+        path == "auto" and config < 0 and M >= STAGED_MIN_M and _staged_preferred(get_lib(), A.device, M, N, K_dim, k, sms)
+    ):
+        if _staged_gemm(A2.view(M, K_dim), B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
+            return  # else (no scratch under graph capture) the fused kernel
+    fn = _gemm_entry(A.dtype, B_absmax.dtype, k)
+    ws_bytes = _workspace_bytes(M, N, K_dim, k, sms)
+    ws = _workspaces.get(index)
+    if ws is None or ws.numel() < ws_bytes:
+        ws = _workspace(A.device, ws_bytes)
+    args = (
+        A2.data_ptr(), B_packed.data_ptr(), B_absmax.data_ptr(), codebook.data_ptr(), codebook.numel(),
+        bias.data_ptr() if bias is not None else None, out.data_ptr(), M, N, K_dim, lda, ws.data_ptr(),
+        ws.numel(), sms, config, torch._C._cuda_getCurrentRawStream(index),
     )
-    lib.ckbit_gemm_workspace_bytes.restype = ct.c_size_t
-    lib.ckbit_gemm_workspace_bytes.argtypes = [ct.c_int] * 5
-    ws = _workspace(device, lib.ckbit_gemm_workspace_bytes(M, N, K_dim, k, sms))
-    with torch.cuda.device(device):
-        _call(
-            "kbit_gemm", fn, _ptr(A2), _ptr(B_packed), _ptr(B_absmax), _ptr(codebook), codebook.numel(),
-            _ptr(bias) if bias is not None else None, _ptr(out), M, N, K_dim, A2.stride(0), _ptr(ws), ws.numel(),
-            sms, config, _stream(A),
-        )
+    if torch._C._cuda_getDevice() == index:
+        err = fn(*args)
+    else:
+        with torch.cuda.device(index):
+            err = fn(*args)
+    if err != 0:
+        _raise("kbit_gemm", fn, err)
 
 
 @register_kernel("bitsandbytes::kbit_gemm", "cuda")
@@ -361,3 +392,7 @@ def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias=None) ->
 def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
     check_gemm_out_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias, out)
     kbit_gemm_cuda(A, B_packed, B_absmax, codebook.contiguous(), k, N, K_dim, bias, out)
+
+
+# Eager calls of functional.kbit_gemm on CUDA tensors skip the dispatcher (they run the same checks first).
+_functional._eager_gemm["cuda"] = kbit_gemm_cuda
