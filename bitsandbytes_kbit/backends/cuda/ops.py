@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from ... import functional as _functional
 from ..._ops import (
     SUPPORTED_K,
     check_dequantize_args,
@@ -19,7 +20,6 @@ from ..._ops import (
     register_kernel,
     tiled_shapes,
 )
-from ... import functional as _functional
 from ...cextension import get_lib
 from ..default.ops import check_finite
 
@@ -356,11 +356,11 @@ def kbit_gemm_cuda(
         return
     index = A.get_device()
     sms = sm_count or _sm_count(index)
-    if path == "staged" or (
+    staged = path == "staged" or (
         path == "auto" and config < 0 and M >= STAGED_MIN_M and _staged_preferred(get_lib(), A.device, M, N, K_dim, k, sms)
-    ):
-        if _staged_gemm(A2.view(M, K_dim), B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
-            return  # else (no scratch under graph capture) the fused kernel
+    )
+    if staged and _staged_gemm(A2.view(M, K_dim), B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
+        return  # else (no scratch under graph capture) the fused kernel
     fn = _gemm_entry(A.dtype, B_absmax.dtype, k)
     ws_bytes = _workspace_bytes(M, N, K_dim, k, sms)
     ws = _workspaces.get(index)
