@@ -342,6 +342,10 @@ constexpr int SIXTEEN_WARP_MANY_SPLITS = 12, SIXTEEN_WARP_MIN_FILL_PCT = 70, SIX
 // wave with chunks of 4-8 k-steps per warp along k: 8192 x 8192 at M = 16 runs 64 tiles x 2 splits (128 CTAs) instead
 // of config 9's 4 splits through the workspace (or config 3's 8 at k = 5).
 constexpr int SIXTEEN_WARP_PUSH_MIN_FILL_PCT = 90, SIXTEEN_WARP_PUSH_MAX_CHUNK = 8;
+// Config 13 (224-row tiles, 7 warps along n x 2 along k, one CTA per SM) instead of config 11 at M = 9..16 where its
+// plan (one split, or two pushed through 2-CTA clusters) puts CTAs on more SMs than config 11's and on at least
+// FOURTEEN_WARP_MIN_FILL_PCT of them: a call is as long as one CTA, so less work on each of more SMs (14336 x 4096:
+// 112 CTAs of 128 rows -> 128 of 224 rows x half of K).
 constexpr int FOURTEEN_WARP_MIN_FILL_PCT = 95;
 static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
     const ConfigInfo c = config_info(config);
