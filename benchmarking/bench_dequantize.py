@@ -37,17 +37,27 @@ def main() -> None:
     for k in (2, 3, 4, 5):
         packed, absmax, cb = F.quantize_kbit(A, k=k)
         nbytes = packed.numel() * 4 + absmax.numel() + n * out.element_size()
-        us = median_us(lambda i, p=packed, a=absmax, c=cb, kb=k: F.dequantize_kbit(p, a, c, kb, n, dtype=dtype, out=out), iters=50)
+        us = median_us(
+            lambda i, p=packed, a=absmax, c=cb, kb=k: F.dequantize_kbit(p, a, c, kb, n, dtype=dtype, out=out), iters=50
+        )
         bps = nbytes / (us * 1e-6)
-        rows.append({"k": k, "bytes": nbytes, "us": us, "GBps": bps / 1e9, "of_copy": bps / copy_bps, "of_rw": bps / rw_bps})
+        rows.append(
+            {"k": k, "bytes": nbytes, "us": us, "GBps": bps / 1e9, "of_copy": bps / copy_bps, "of_rw": bps / rw_bps}
+        )
     print(f"\ndequantize_kbit, {n / 2**20:.0f}M elements -> {args.dtype}, {info['gpu']} ({info['sm_count']} SMs)")
     print(f"copy_ {copy_bps / 1e9:.0f} GB/s, read+write kernel {rw_bps / 1e9:.0f} GB/s (bytes read + written)")
     print(f"{'k':>2} {'MB moved':>9} {'us':>8} {'GB/s':>7} {'% of copy':>9} {'% of r+w':>9}")
     for r in rows:
-        print(f"{r['k']:>2} {r['bytes'] / 1e6:>9.1f} {r['us']:>8.1f} {r['GBps']:>7.0f} {100 * r['of_copy']:>8.1f}% {100 * r['of_rw']:>8.1f}%")
+        print(
+            f"{r['k']:>2} {r['bytes'] / 1e6:>9.1f} {r['us']:>8.1f} {r['GBps']:>7.0f} {100 * r['of_copy']:>8.1f}% {100 * r['of_rw']:>8.1f}%"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**info, "copy_GBps": copy_bps / 1e9, "rw_GBps": rw_bps / 1e9, "dtype": args.dtype, "rows": rows}, f, indent=1)
+            json.dump(
+                {**info, "copy_GBps": copy_bps / 1e9, "rw_GBps": rw_bps / 1e9, "dtype": args.dtype, "rows": rows},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

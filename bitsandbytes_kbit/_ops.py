@@ -11,13 +11,11 @@ import functools
 
 import torch
 
-from .backends.default.tiled_layout import UNIT_ABSMAX, tiled_sizes
+from ._format import BLOCKSIZE, SUPPORTED_K, UNIT_ABSMAX, tiled_sizes
 
 register_fake = torch.library.register_fake
 register_kernel = torch.library.register_kernel
 
-BLOCKSIZE = 32  # elements per quantization block (normative, DESIGN.md section 3)
-SUPPORTED_K = (2, 3, 4, 5)
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # absmax storage: uint8 is E4M4 (seed 000 section 1.5); float16 / float32 hold the scale itself.
 ABSMAX_DTYPES = (torch.uint8, torch.float16, torch.float32)
@@ -48,8 +46,10 @@ def check_same_device(op: str, **tensors: torch.Tensor) -> None:
     first = next(iter(devices.values()))
     torch._check(
         all(d == first for d in devices.values()),
-        lambda: f"{op}: all tensors must be on one device; got "
-        + ", ".join(f"{name} on {d}" for name, d in devices.items()),
+        lambda: (
+            f"{op}: all tensors must be on one device; got "
+            + ", ".join(f"{name} on {d}" for name, d in devices.items())
+        ),
     )
 
 
@@ -60,8 +60,7 @@ def check_quantize_args(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_
     check_codebook(op, codebook, k)
     torch._check(
         absmax_dtype in ABSMAX_DTYPES,
-        lambda: f"{op}: absmax_dtype={absmax_dtype} is not supported; expected one of {ABSMAX_DTYPES} "
-        "(uint8 = E4M4)",
+        lambda: f"{op}: absmax_dtype={absmax_dtype} is not supported; expected one of {ABSMAX_DTYPES} (uint8 = E4M4)",
     )
     check_same_device(op, A=A, codebook=codebook)
 
@@ -72,14 +71,14 @@ def check_dequantize_args(
     op = "dequantize_kbit"
     check_k(op, k)
     torch._check(n >= 0, lambda: f"{op}: n={n} must be >= 0")
-    torch._check(
-        packed.dtype == torch.int32, lambda: f"{op}: packed has dtype {packed.dtype}; expected torch.int32"
-    )
+    torch._check(packed.dtype == torch.int32, lambda: f"{op}: packed has dtype {packed.dtype}; expected torch.int32")
     torch._check(
         absmax.dtype in ABSMAX_DTYPES,
         lambda: f"{op}: absmax has dtype {absmax.dtype}; expected one of {ABSMAX_DTYPES} (uint8 = E4M4)",
     )
-    torch._check(dtype in INPUT_DTYPES, lambda: f"{op}: dtype={dtype} is not supported; expected one of {INPUT_DTYPES}")
+    torch._check(
+        dtype in INPUT_DTYPES, lambda: f"{op}: dtype={dtype} is not supported; expected one of {INPUT_DTYPES}"
+    )
     check_codebook(op, codebook, k)
     nb = num_blocks(n)
     torch._check(
@@ -133,11 +132,11 @@ def _(
     return torch.empty(n, dtype=dtype, device=packed.device)
 
 
-
 def check_dequantize_out_args(packed, absmax, codebook, k: int, n: int, dtype, out: torch.Tensor) -> None:
     """dequantize_kbit's arguments, and an ``out`` that can hold its result."""
     check_dequantize_args(packed, absmax, codebook, k, n, dtype)
     check_out("dequantize_kbit", out, (n,), dtype, packed.device)
+
 
 torch.library.define(
     "bitsandbytes::dequantize_kbit.out",
@@ -150,10 +149,9 @@ def _(packed, absmax, codebook, k: int, n: int, dtype: torch.dtype, out: torch.T
     check_dequantize_out_args(packed, absmax, codebook, k, n, dtype, out)
 
 
-
 # ---------------------------------------------------------------- repack + fused GEMM
 #
-# The tiled layout is the kernel's own (backends/default/tiled_layout.py mirrors it). Repacked
+# The tiled layout is the kernel's own (_format.py holds its sizes). Repacked
 # tensors are 2-D, [units, words per unit] and [units, absmax per unit], so a flat
 # (quantize_kbit) buffer handed to kbit_gemm by mistake is rejected instead of read as garbage.
 GEMM_DTYPES = (torch.float16, torch.bfloat16)
@@ -186,7 +184,9 @@ def check_repack_args(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int
     torch._check(packed.dtype == torch.int32, lambda: f"{op}: packed has dtype {packed.dtype}; expected torch.int32")
     torch._check(
         packed.numel() == nb * k,
-        lambda: f"{op}: packed has {packed.numel()} words; expected N*K_dim/32*k = {nb * k} for N={N}, K_dim={K_dim}, k={k}",
+        lambda: (
+            f"{op}: packed has {packed.numel()} words; expected N*K_dim/32*k = {nb * k} for N={N}, K_dim={K_dim}, k={k}"
+        ),
     )
     torch._check(
         absmax.dtype in GEMM_ABSMAX_DTYPES,
@@ -272,11 +272,11 @@ torch.library.define(
 )
 
 
-
 def check_gemm_out_args(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
     """kbit_gemm's arguments, and an ``out`` that can hold its result."""
     check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K_dim, bias)
     check_out("kbit_gemm", out, (*A.shape[:-1], N), A.dtype, A.device)
+
 
 @register_fake("bitsandbytes::kbit_gemm.out")
 def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: torch.Tensor) -> None:
@@ -286,17 +286,23 @@ def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: to
 def check_dequantize_tiled_args(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> None:
     op = "dequantize_kbit_tiled"
     check_weight_shape(op, k, N, K_dim)
-    torch._check(dtype in GEMM_DTYPES, lambda: f"{op}: dtype={dtype} is not supported; expected torch.float16 or torch.bfloat16")
+    torch._check(
+        dtype in GEMM_DTYPES, lambda: f"{op}: dtype={dtype} is not supported; expected torch.float16 or torch.bfloat16"
+    )
     (units, words), (_, absmax_per_unit) = tiled_shapes(k, N, K_dim)
     torch._check(
         B_packed.dtype == torch.int32 and tuple(B_packed.shape) == (units, words),
-        lambda: f"{op}: B_packed is {B_packed.dtype} {tuple(B_packed.shape)}; expected torch.int32 {(units, words)} "
-        "(the output of repack_kbit)",
+        lambda: (
+            f"{op}: B_packed is {B_packed.dtype} {tuple(B_packed.shape)}; expected torch.int32 {(units, words)} "
+            "(the output of repack_kbit)"
+        ),
     )
     torch._check(
         B_absmax.dtype in GEMM_ABSMAX_DTYPES and tuple(B_absmax.shape) == (units, absmax_per_unit),
-        lambda: f"{op}: B_absmax is {B_absmax.dtype} {tuple(B_absmax.shape)}; expected uint8 or float16 "
-        f"{(units, absmax_per_unit)} (the output of repack_kbit)",
+        lambda: (
+            f"{op}: B_absmax is {B_absmax.dtype} {tuple(B_absmax.shape)}; expected uint8 or float16 "
+            f"{(units, absmax_per_unit)} (the output of repack_kbit)"
+        ),
     )
     check_codebook(op, codebook, k)
     check_same_device(op, B_packed=B_packed, B_absmax=B_absmax, codebook=codebook)

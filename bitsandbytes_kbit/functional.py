@@ -19,6 +19,7 @@ from ._ops import GEMM_DTYPES, check_gemm_args, check_k, check_out
 from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
 from .backends.default.ops import e4m4_table
 from .backends.default.ops import encode_absmax_e4m4 as _encode_e4m4
+from .backends.default.tiled_layout import unrepack_kbit_reference as _unrepack_reference
 
 __all__ = [
     "create_normal_float_codebook",
@@ -206,6 +207,21 @@ def repack_kbit(
     the result is 2-D ([units, words] int32 and [units, 64] absmax), its layout the kernel's own.
     K must be a multiple of 32; N and K are padded inside as the kernel needs."""
     return torch.ops.bitsandbytes.repack_kbit(packed, absmax, k, N, K)
+
+
+def unrepack_kbit(
+    B_packed: torch.Tensor, B_absmax: torch.Tensor, k: int, N: int, K: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``repack_kbit``: the flat words (int32, 1-D) and absmax (1-D, the dtype of ``B_absmax``) of a
+    tiled weight W[N, K], bit-exact. Pure PyTorch on the tensors' device; used to save a repacked weight flat."""
+    _ops.check_weight_shape("unrepack_kbit", k, N, K)
+    words, n_absmax = _ops.tiled_sizes(k, N, K)
+    if B_packed.numel() != words or B_absmax.numel() != n_absmax:
+        raise ValueError(
+            f"unrepack_kbit: B_packed has {B_packed.numel()} words and B_absmax {B_absmax.numel()} entries; "
+            f"expected {words} and {n_absmax} (the tiled layout of k={k}, N={N}, K={K})"
+        )
+    return _unrepack_reference(B_packed.reshape(-1), B_absmax.reshape(-1), k, N, K)
 
 
 def kbit_gemm(

@@ -144,167 +144,84 @@ static bool config_available(int id) {
 // ---------------------------------------------------------------------------------------------
 // Dispatch: the ONE place that maps a problem to a kernel config and a split count.
 // ---------------------------------------------------------------------------------------------
-// Measured on H200, fp16, k = 4 unless named (dev/probe_paths.py; us, config numbers as in the tables):
-//   shared-A vs the per-warp ring: 14336 x 4096 M=4: 2 18.7 vs 0 22.5;  M=16: 3 22.0 vs 1 28.7;
-//     M=32: 4 27.1 vs the old MB-4 per-warp config 45.8 (removed: never faster);  k = 2 M=1: 2 16.0 vs 0 19.0
-//   small weights want the 64-row CTAs of configs 0-1 (4 warps per k range, 4x the CTAs):
-//     1024 x 4096 M=1: 0 6.2 vs 2 7.3;  M=16: 1 7.4 vs 3 9.2.  4096 x 4096 (16 tiles x 32 k-steps) M=16:
-//     1 12.4 vs 3 13.0; but 4096 x 14336 (16 x 112) M=4: 2 18.4 vs 0 20.6
-//   MB = 1 with 128-row CTAs, three per SM (24 warps): 1-6% slower than config 2 on every large shape
-//   k = 5 at M <= 2 used to take config 0 (smem weight rings: 0 27.8 vs 2 28.6 on 14336 x 4096); with
-//     config 2's weights in registers (kbit_gemm.cuh section 4) 2 wins, H100 M=1: 25.3 vs 28.0 (14336 x
-//     4096), 77.7 vs 89.9 (28672 x 8192), 70.3 vs 79.8 (8192 x 28672); M=2 alike
-//   M > 32 with few wide tiles: 1024 x 4096 M=64: 4 14.2 vs 5 19.7; 4096 x 4096 M=64: 21.4 vs 22.1,
-//     M=128 (32 tiles): 28.8 vs 27.5.  M=128 with split-K in the wide config: 4096 x 14336 65.2 us
-//     (the MB-4 per-warp config without enough tiles: 139.8)
-//   wgmma (config 6, kbit_gemm_wgmma.cuh, tokens by 4-byte cp.async) vs the wide config 5, H100, us:
-//     k = 5 28672 x 8192 M=64 140.3 vs 155.8, M=256 541.6 vs 628.7; 8192 x 28672 M=64 126.3 vs 145.8;
-//     14336 x 4096 M=64 43.8 vs 49.2; k = 3 28672 x 8192 M=64 112.3 vs 129.2, 14336 x 4096 37.1 vs 43.6:
-//     config 6 for every k (k = 4: see kbit_gemm_wgmma.cuh section 7)
-// A shared-A config (and the wide tile over the 32-token one) is taken when its CTA tiles x k-steps
-// >= 6 x SMs: enough work per SM that split-K keeps the 256-row CTAs busy. 4096 x 4096 (512) stays
-// below, 4096 x 4096 M=128 (1024) and 4096 x 14336 M=64 (1792; wide 41.1 vs 44.6) above.
+// The numbers below were each chosen by forcing the candidate configs on the shapes at the rule's edge (the design
+// doc's dispatcher section). Work is counted in CTA tiles x k-steps against the SM count.
+// A shared-A config (and the wide tile over the 32-token one) needs at least this much work per SM, so that split-K
+// keeps its 256-row CTAs busy.
 constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
-// At M <= 16 the per-warp configs 0-1 (64-row CTAs) take over below 1.5 x SMs of shared-A work (CTA tiles x
-// k-steps < 3 per 2 SMs): 1024 x 4096 (128) stays per-warp, 3584 x 3584 (392) goes to config 3 (M = 16, k = 2:
-// 10.0 -> 7.6 us). Sweep of 11 small shapes: docs/kernel.md "The dispatcher over 22 shapes".
+// At M <= 16 the per-warp configs 0-1 (64-row CTAs, 4x the CTAs) take over below 1.5 x SMs of shared-A work...
 constexpr int PER_WARP_MAX_STEPS_PER_2_SMS = 3;
 // ...and at M = 9..16 below 0.75 x SMs (k = 5: 1.5 x SMs). Above that, weights of at most ONE_TILE_MID_M_MAX_WEIGHT
-// elements take one token tile per CTA, two tiles on the grid (config 2's plan: 8 or 10), the second tile reading the
-// weight from L2: 2048 x 4096, M = 16, k = 2 7.0 -> 5.9 us (config 9 -> 8). Larger weights keep two tiles per CTA
-// (3072 x 3072). Same source.
+// elements take one token tile per CTA, two tiles on the grid, the second tile reading the weight from L2. Larger
+// weights keep two tiles per CTA.
 constexpr int PER_WARP_MID_M_MAX_STEPS_PER_4_SMS = 3;
 constexpr long long ONE_TILE_MID_M_MAX_WEIGHT = 1LL << 23;
-// With few wide tiles the wgmma config takes M > 32 (below, the 32-token config 4). H100, 4096 x 4096, us,
-// config 6 vs what the former M > 64 rule picked at M=64: k=2 22.7 vs 27.1, k=3 25.5 vs 31.8, k=4 19.0
-// vs 21.7, k=5 28.9 vs 38.1
+// With few wide tiles the wgmma config takes M > 32 (below, the 32-token config 4).
 constexpr int WGMMA_SMALL_WORK_MIN_M = 32;
-// Small weights (fewer than 32 x SMs units of 16 rows x 128 k, e.g. 1024 x 4096: 2048) stay in L2, so re-reading
-// them per 16 tokens costs little and config 3's 8x more CTAs win up to M = 128 (k = 5: 64). 1024 x 4096, k = 2,
-// M = 64: 14.4 -> 11.7 us (docs/kernel.md "Dispatcher thresholds, measured").
+// Small weights (fewer than 32 x SMs units) stay in L2, so re-reading them per 16 tokens costs little and config 3's
+// 8x more CTAs win up to M = 128 (k = 5: 64).
 constexpr int SMALL_WEIGHT_MAX_UNITS_PER_SM = 32;
 constexpr int SMALL_WEIGHT_MB2_MAX_M = 128;
 constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 64;
 // 17..32 tokens (config 4's range, 256 x 32 tiles with the weights in a shared-memory ring). A weight that fits in
-// half the L2 is read by the second 16-token tile from there, so config 3 (register weights) wins; on larger
-// weights the wgmma config wins at k = 3, and at k = 4 on weights of 2^27 elements or more. 4096 x 4096, M = 32,
-// k = 2: 16.5 -> 11.2 us (config 4 -> 3). Same section.
+// half the L2 is read by the second 16-token tile from there, so config 3 (register weights) wins; on larger weights
+// the wgmma config wins at k = 3, and at k = 4 on weights of MID_M_WGMMA_K4_MIN_WEIGHT elements or more. Two more
+// rules at 17..32 tokens:
 constexpr int MID_M_MAX = 32;
 constexpr long long MID_M_WGMMA_K4_MIN_WEIGHT = 1LL << 27;
-// Two more rules at 17..32 tokens, from a sweep of 22 LLM shapes x k = 2..5 at M = 20 and 32 with configs 3, 4, 6, 9
-// and 11 forced (H100; benchmarking/results/dispatch_sweep_h100/mid_m_*.txt, docs/kernel.md "Mid M (17..32 tokens)").
 // (1) Config 11 (two 16-token tiles of 128 rows on the grid, one 16-warp CTA per SM) where its CTAs fill 90-100% of
-// the SMs in one wave and each warp along k runs 4-8 k-steps: that is less split-K than config 3's. H100, us, M = 32,
-// k = 2 / 3 / 4 / 5, config 3 -> 11: 8192 x 2048 10.3 / 10.9 / 11.4 / 13.7 -> 7.9 / 9.0 / 9.3 / 11.3; 2048 x 8192 11.9 /
-// 12.6 / 12.8 / 15.7 -> 9.6 / 10.5 / 10.8 / 13.0; 4096 x 4096 11.1 / 11.8 / 11.9 / 14.2 -> 9.5 / 10.5 / 10.8 / 12.7.
-// With longer chunks it only ties (8192 x 8192, 16 k-steps: 23.6 / 28.9 vs 23.5 / 27.2); with fewer CTAs it loses
-// (3584 x 3584, 112 CTAs: 10.3 vs 10.9 at k = 2).
+// the SMs in one wave and each warp along k runs 4-8 k-steps: that is less split-K than config 3's.
 constexpr int MID_M_SIXTEEN_WARP_MIN_FILL_PCT = 90;
 constexpr int MID_M_SIXTEEN_WARP_MAX_CHUNK = 8;
 // (2) The wgmma config where config 3 or 4 fills less than 90% of its CTA slots and config 6 fills at least as large a
-// share of its own, on weights of 2^24 elements or more (below, e.g. 2048 x 2048, config 3 stays faster). H100, us,
-// M = 32, the former choice -> config 6: 14336 x 4096 k = 2 / 3 / 4 / 5 22.8 / 27.0 / 26.8 / 33.8 -> 21.8 / 22.9 / 23.9 /
-// 32.5; 13824 x 5120 k = 4 31.2 -> 28.4; 3584 x 18944 k = 4 / 5 33.7 / 43.6 -> 30.2 / 39.1. Where config 6 fills less
-// (18944 x 3584 at k >= 3: 74 CTAs on 132 SMs) config 4 stays (k = 4 29.9 against 33.9).
+// share of its own, on weights of 2^24 elements or more (below, e.g. 2048 x 2048, config 3 stays faster).
 constexpr int MID_M_MIN_FILL_PCT = 90;
 constexpr long long MID_M_FILL_RULE_MIN_WEIGHT = 1LL << 24;
-// configs 0 (one token tile, A in the ring) up to here, then 1 (two tiles): at M = 5..8 config 1's second tile is
-// empty (1024 x 4096, M = 8, k = 2: 6.1 -> 5.0 us)
+// configs 0 (one token tile, A in the ring) up to here, then 1 (two tiles)
 constexpr int PER_WARP_SMALL_M_MAX = 8;
-// ...for weights of at most this many rows at M = 5..8: each 64-row CTA of config 0 copies its own A, so its A
-// traffic grows with N (M = 8, config 1 / 0: 4096 x 1024 5.1-5.6 / 5.9-6.7, 4096 x 1536 6.9 / 8.1 at k = 2)
+// Small weights at M = 5..16: M = 5..8 above PER_WARP_RING_A_MAX_N rows take the shared-A plan, not config 1 (its
+// second token tile is empty; below, each 64-row CTA of config 0 copies its own A, so its A traffic grows with N);
+// k = 5 with a short K keeps config 1 (SHORT_K_ONE_SPLIT_MID_M_MIN_N). M = 9..16 on weights of at most
+// PER_WARP_RING_A_MID_M_MAX_N rows and PER_WARP_RING_A_MID_M_MAX_WEIGHT elements: config 0, one token tile per CTA,
+// two on the grid.
 constexpr int PER_WARP_RING_A_MAX_N = 2048;
-// Small weights at M = 5..16 (numbers: docs/kernel.md "The dispatcher over 22 shapes" and "Dispatcher thresholds,
-// measured"; benchmarking/results/dispatch_sweep_h100/small_n_mid_m_*.txt):
-// - M = 5..8 above PER_WARP_RING_A_MAX_N rows take the shared-A plan, not config 1 (its second token tile is empty);
-//   k = 5 with a short K keeps config 1 (SHORT_K_ONE_SPLIT_MID_M_MIN_N). 3072 x 2048, k = 2: 6.8 -> 5.2 us.
-// - M = 9..16 on weights of at most these rows and elements: config 0, one token tile per CTA, two on the grid.
-//   256 x 2048, M = 16, k = 2: 5.2 -> 3.8 us.
 constexpr int PER_WARP_RING_A_MID_M_MAX_N = 1024;
 constexpr long long PER_WARP_RING_A_MID_M_MAX_WEIGHT = 1LL << 21;
-// Short K (8..15 k-steps): config 8 needs no split-K there, at M <= 16 from this many rows. 8192 x 1024, M = 1, k = 2:
-// 5.2 -> 4.3 us.
+// Short K (8..15 k-steps): config 8 needs no split-K there, at M <= 16 from this many rows...
 constexpr int SHORT_K_ONE_SPLIT_MIN_N = 4096;
-// ...and from here at M = 5..16 for k <= 4 (k = 5: 3-7% slower than config 1). 3072 x 1024, M = 16, k = 2: 5.1 -> 4.4 us.
+// ...and from here at M = 5..16 for k <= 4
 constexpr int SHORT_K_ONE_SPLIT_MID_M_MIN_N = 2048;
 constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
 constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
                                                  // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS)
 constexpr int MIN_STEPS_PER_WARP = 1;            // a warp streams at least 1 k-step of 128: with 2, N=1024 K=4096
-                                                 // got 4 splits (64 CTAs); with 1, 8 (H200, M=16 k=5: 9.2 -> 7.7 us)
-// The register-weight configs (2, 3; mb <= 2) fill a 2-3 k-step ring before their first MMA: give each
-// CTA at least 4 k-steps. H100, 4096 x 4096 M=1 (16 CTAs: 8 splits instead of 16), us: k=2 9.1 -> 8.2,
-// k=4 10.5 -> 9.4, k=5 12.5 -> 11.6; M=8 alike
+// The register-weight configs (2, 3; mb <= 2) fill a 2-3 k-step ring before their first MMA: give each CTA at least 4
+// k-steps.
 constexpr int MIN_STEPS_PER_REG_WEIGHT_CTA = 4;
 constexpr int MAX_SPLITS = 16;
 // Configs 2 and 3 with two warps along k (configs 8, 9: 128-row CTA tiles, each warp a contiguous half of the CTA's
-// k-steps, summed in shared memory) where split-K weighs most: their plan has >= 8 splits of < 8 k-steps each.
-// H100, us, forced, paths interleaved (dev/probe_paths.py), k = 2 / 3 / 4 / 5, config 2 -> 8 at M = 1, 3 -> 9 at 16:
-//   4096 x 14336 (16 splits of 7): M=1 13.3 / 15.5 / 17.8 / 21.2 -> 12.7 / 15.1 / 17.1 / 20.6;
-//                                  M=16 17.7 / 19.1 / 20.8 / 25.1 -> 17.2 / 18.9 / 20.4 / 24.6
-//   4096 x 4096 (8 of 4): M=1 7.1 / 7.7 / 8.3 / 9.4 -> 6.5 / 7.4 / 8.0 / 9.0; M=16 9.6 / 10.1 / 10.8 / 12.5 -> 9.0 /
-//                         9.6 / 10.3 / 11.2
-//   8192 x 8192 (8 of 8): M=1 13.1 / 15.5 / 17.8 / 21.8 -> 12.9 / 15.5 / 17.5 / 21.6, but M=16 17.4 / 19.9 / 21.2 /
-//                         25.1 -> 17.5 / 20.0 / 21.8 / 25.9
-//   slower with fewer or longer splits: 14336 x 4096 (4 of 8) M=1 12.5 / 14.6 / 16.3 / 20.0 -> 12.8 / 15.3 / 16.7 /
-//   20.5; 8192 x 28672 (8 of 28) M=16 42.0 / 47.9 / 52.8 / 64.1 -> 44.5 / 52.6 / 54.8 / 69.6; 28672 x 8192 (2 of 32)
-//   M=16 44.8 / 53.2 / 55.6 / 69.2 -> 46.9 / 56.1 / 57.4 / 74.2 (M=1 36.2 / 44.0 / 49.1 / 61.8 -> 35.3 / 44.0 / 48.6
-//   / 61.0). Four or eight warps along k were slower everywhere (docs/kernel.md).
-// k = 5 took them only for splits of 4 k-steps or fewer: with splits of 7 the second warp along k lost at M = 8 and 16
-// (even at M = 1). These are the rules above 16 tokens (config 3 for small weights) and, at k = 5, at M = 9..16; the
-// sweep below replaced them at M <= 8 and, for k <= 4, at M = 9..16.
-// H100, us, forced, two rounds, config 2 / 8 at M = 8, 3 / 9 at M = 16, k = 5 (k = 4 for comparison):
-//   4096 x 14336 (16 splits of 7): M=8 17.3 / 18.4, 17.5 / 18.9 (k = 4 15.3 / 15.1); M=16 22.6 / 24.2, 22.7 / 24.1
-//     (k = 4 19.4 / 18.8); M=1 17.1 / 17.4, 17.8 / 17.5 (even)
-//   4096 x 4096 (8 of 4): M=16 10.8 / 10.5, 10.7 / 10.4; 2048 x 8192 (16 of 4): M=16 11.8 / 11.0, 11.7 / 11.0
+// k-steps, summed in shared memory) where split-K weighs most: their plan has >= 8 splits of < 8 k-steps each. Four or
+// eight warps along k were slower everywhere. k = 5 took them only for splits of 4 k-steps or fewer: with splits of 7
+// the second warp along k lost at M = 8 and 16 (even at M = 1). These are the rules above 16 tokens (config 3 for
+// small weights) and, at k = 5, at M = 9..16; the sweep below replaced them at M <= 8 and, for k <= 4, at M = 9..16.
 constexpr int WARPS_K_MIN_SPLITS = 8, WARPS_K_MAX_SPLIT_STEPS = 7, WARPS_K_MAX_SPLIT_STEPS_K5 = 4;
-// A sweep of 22 LLM shapes later (H100, us, forced, dev/probe_paths.py, two passes agreeing within 0.3; docs/kernel.md
-// "The dispatcher over 22 shapes") widened two cases, k = 2 / 3 / 4 / 5:
-// - one token tile at M <= WARPS_K_ANY_STEPS_MAX_M (8): config 8 once config 2 (or 10) plans >= 8 splits, of any
-//   length and at any k. Config 2 or 10 -> 8 at M = 1: 8192 x 8192 (8 splits of 8) 11.7 / 13.2 / 15.2 / 18.3 ->
-//   11.5 / 12.7 / 14.7 / 17.9; 5120 x 13824 (13 of 9) 13.1 / 15.1 / 16.7 / 20.4 -> 12.8 / 14.0 / 15.8 / 19.8;
-//   3584 x 18944 (16 of 10) 13.2 / 15.0 / 16.6 / 20.3 -> 12.9 / 14.2 / 15.9 / 19.9; k = 5 4096 x 14336 (16 of 7) 16.7
-//   -> 16.0, 4096 x 11008 15.1 -> 14.0, 2048 x 14336 13.1 -> 11.3. M = 8 alike: 5120 x 13824 (10) 14.1 / 16.0 / 17.6 /
-//   21.3 -> 13.3 / 15.3 / 17.2 / 20.9, 3584 x 18944 (10) 13.9 / 16.1 / 17.4 / 20.8 -> 13.3 / 15.5 / 17.3 / 20.8, 2048 x
-//   14336 k = 5 14.2 -> 11.8; 8192 x 8192 12.1 / 13.8 / 15.7 / 18.7 -> 11.9 / 14.0 / 16.0 / 18.9 (even).
-// - two token tiles (M = 9..16) at k <= 4: config 9 from 4 splits of up to 10 k-steps. Config 3 -> 9 at M = 16:
-//   3584 x 18944 (16 of 10) 18.2 / 21.4 / 21.9 -> 16.9 / 19.3 / 20.4; 5120 x 13824 (13 of 9) 17.2 / 19.7 / 20.9 ->
-//   16.6 / 19.1 / 20.1; 11008 x 4096 (6 of 6) 13.1 / 14.2 / 14.8 -> 12.3 / 14.0 / 15.0; 8192 x 3072 (6 of 4) 10.3 /
-//   10.6 / 11.2 -> 9.3 / 10.6 / 11.1; 8192 x 2048 (4 of 4) 7.7 / 8.6 / 9.2 -> 7.2 / 8.1 / 8.7; 8192 x 8192 (8 of 8)
-//   15.9 / 17.8 / 19.0 -> 15.5 / 17.8 / 19.1. Longer splits stay on config 3: 8192 x 28672 (8 of 28) 40.6 / 49.4 /
-//   52.6 -> 44.0 / 53.0 / 56.6, 18944 x 3584 (3 of 10) 16.7 -> 20.6 at k = 2. k = 5 keeps the rule above (8192 x 2048:
-//   9.9 -> 10.3, 8192 x 8192 22.8 -> 24.9).
+// A sweep of 22 LLM shapes widened two cases: one token tile at M <= WARPS_K_ANY_STEPS_MAX_M takes config 8 once
+// config 2 (or 10) plans >= 8 splits, of any length and at any k; two token tiles (M = 9..16) at k <= 4 take config 9
+// from WARPS_K_MB2_MIN_SPLITS splits of up to WARPS_K_MB2_MAX_SPLIT_STEPS k-steps.
 constexpr int WARPS_K_ANY_STEPS_MAX_M = 8;
 // One token with its A slot read by one LDS.128 per warp and k-step (block columns, k <= 4; kbit_gemm.cuh section 3):
 // config 8 also where config 2 or 10 plans fewer than 8 splits, as long as its CTAs (half the splits of 128-row tiles)
 // fill at least ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT (k = 2; _K34 at k = 3, 4) of the share of SM slots that the other
-// plan fills. Its halved split-K tail weighs most against k = 2's short loop. H100, us, M = 1, forced, 22 shapes
-// (benchmarking/results/dispatch_sweep_h100/one_token_m1_sweep.txt), k = 2 / 3 / 4, the former plan -> config 8:
-// 14336 x 4096 (c10, 97% -> 85% filled) 9.9 / 12.5 / 12.9 -> 9.7 / 12.7 / 13.2, so k = 2 only; 28672 x 8192 (c10,
-// 97% -> 85%) 29.3 -> 28.6 at k = 2 (k = 3 / 4 39.6 / 44.4 -> 38.8 / 43.7 are left: one shape); 11008 x 4096 (c2, 98% ->
-// 98%) 9.3 / 11.0 / 11.4 -> 8.3 / 10.3 / 11.0; 8192 x 3072 (c10, 84% -> 73%) 7.3 -> 6.7; 8192 x 2048 (c2, 48% -> 48%)
-// 5.6 / 6.3 / 6.4 -> 5.2 / 6.3 / 6.3; 3072 x 3072 5.3 -> 5.0. Not where config 8 fills far less: 18944 x 3584 (148
-// CTAs on 264 slots against 255) 11.7 / 15.0 / 15.6 against 13.2 / 17.7 / 17.6; 3584 x 3584 (84 against 112 CTAs) k = 3
-// 6.5 against 7.4.
+// plan fills. Its halved split-K tail weighs most against k = 2's short loop.
 constexpr int ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT = 80, ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34 = 90;
 // One token, k = 3, 4: config 12 (32-row tiles, all 8 warps along k) where it plans 1 or 2 splits (2: pushed through
 // 2-CTA clusters on sm_90, kbit_gemm.cuh push_split_k) in one wave that loads the SMs evenly (the busiest SM's CTAs at
-// most 1.4x the average) and each warp's chunk is at most 7 k-steps. H100, us, M = 1, dev/probe_paths.py, the former
-// plan (config 8 or 10) -> 12, k = 3 / 4 (CTAs, chunk): 4096 x 4096 (128, 4) 6.2 / 6.2 -> 5.8 / 5.5; 3584 x 3584 (112,
-// 4) 6.5 / 6.5 -> 5.0 / 5.1; 3072 x 3072 (96, 3) 6.0 / 6.0 -> 4.6 / 5.0; 8192 x 2048 (256, 2) 6.2 / 6.3 -> 5.5 / 6.0;
-// 8192 x 3072 (256, 3) 8.0 / 8.1 -> 6.6 / 7.5; 6144 x 4096 (192, 4) 7.5 / 7.6 -> 7.0 / 7.3; 2048 x 8192 (128, 4) 6.6 /
-// 6.7 -> 5.5 / 5.7; 3072 x 8192 (192, 4) 7.8 / 7.9 -> 7.2 / 8.1; 4096 x 11008 (256, 6) 10.3 / 11.2 -> 9.8 / 10.9;
-// 4096 x 14336 (256, 7) 12.0 / 13.0 -> 11.3 / 12.9 (benchmarking/results/dispatch_sweep_h100/one_token_deep_m1_ab.txt);
-// the benchmark (rotated weights, every path interleaved) agrees at k = 3 (4096 x 4096 6.1 -> 5.9, 4096 x 14336 11.9 ->
-// 11.4). Not: two waves (14336 x 4096, 448 CTAs: 12.2 -> 13.7 at k = 3), uneven ones (5120 x 5120, 160 CTAs: 7.8 / 7.9
-// -> 8.0 / 8.4), longer chunks (3584 x 18944 (224, 10) 14.4 / 15.8 -> 14.5 / 16.2; 8192 x 8192 (256, 8) 12.8 -> 12.9
-// at k = 3). Not at k = 2: the probe had 4096 x 4096 at 5.1 -> 4.3 us, but the benchmark 5.0 -> 5.2, and 4096 x 14336
-// (chunk 7) was slower (9.4 -> 9.6-9.9): 8 k warps read 4x more A, which weighs most against k = 2's short loop.
+// most 1.4x the average) and each warp's chunk is at most 7 k-steps.
 constexpr int ONE_TOKEN_DEEP_CONFIG = 12;
 constexpr int ONE_TOKEN_DEEP_MAX_IMBALANCE_PCT = 140, ONE_TOKEN_DEEP_MAX_CHUNK = 7;
 static int split_k_push_max_splits();
 // ...where config 9 keeps 90% of config 3's CTAs: its warps along k need 8 k-steps per split, so 3584 x 3584 gets 3
-// splits (84 CTAs) where config 3 runs 7 (98): M = 9, k = 2 / 3 / 4, config 3 7.3 / 8.3 / 8.3 against 8.2 / 9.2 / 9.7.
+// splits (84 CTAs) where config 3 runs 7 (98), and config 3 is faster there.
 constexpr int WARPS_K_MB2_MIN_SPLITS = 4, WARPS_K_MB2_MAX_SPLIT_STEPS = 10, WARPS_K_MB2_MIN_CTAS_PCT = 90;
 constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)
 // The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
@@ -326,9 +243,9 @@ static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_split
     return COUNTER_REGION_BYTES + (size_t)k_splits * ctas * c.tile_m() * c.tile_n() * 4;
 }
 
-// Whole splits per tile leave slots idle where tiles do not divide them (14336 x 4096: 56 tiles x 4 =
-// 224 CTAs for 264 slots). Stream-K for configs 2-3 (equal runs of (tile, k-step) pairs) was built and
-// measured slower on all but 28672 x 8192 (docs/kernel.md, "Idle SM slots, and stream-K").
+// Whole splits per tile leave slots idle where tiles do not divide them (14336 x 4096: 56 tiles x 4 = 224 CTAs for 264
+// slots). Stream-K for configs 2-3 (equal runs of (tile, k-step) pairs) was built and measured slower on all but 28672
+// x 8192.
 static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_count) {
     if (M > SPLIT_K_MAX_M || c.mb > 8) return 1; // mb 32: config 7, its splits come from ws_splits
     const int k_steps = ceil_div(K_dim, UNIT_K);
@@ -347,38 +264,6 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 
 // Config 7 (warp-specialised, 128 rows x 256 tokens) from WS_MIN_M tokens up to WS_MAX_M, when its CTAs (tiles x
 // ws_splits) fill at least 3/4 of the SMs. Before it had split-K (the numbers below), only its tiles counted.
-// H200, k = 4, us, config 7 vs what ran before (config 6 up to 256 tokens, the staged path above), cuBLAS fp16 in
-// brackets (dev/probe_paths.py --configs 6 7 --staged):
-//   14336 x 4096  M=256 53.9 vs 94.8 (50.0), M=1024 219.9 vs 237.1 (188.6)
-//   28672 x 8192  M=256 214.6 vs 358.6 (211.2), M=1024 768.0 vs 921.3 (734.6)
-//   8192 x 28672  M=512 343.9 vs 536.9 (349.2), M=1024 716.6 vs 897.9 (708.8)
-//   below 3/4 of the SMs: 4096 x 14336 M=256 (32 tiles) 155.0 vs 83.3; 8192 x 28672 M=256 (64) 300.8 vs 310.0
-//   M=128: 59.2 vs 47.5 (14336 x 4096): a 64-token tile wastes less
-// Above WS_MAX_M_SMALL_WEIGHT tokens only weights of at least WS_LARGE_WEIGHT elements keep config 7, up to WS_MAX_M.
-// Until the tile's output went through shared memory (kbit_gemm_wgmma_ws.cuh section 9) the staged path won above
-// 1024 tokens on every weight below 2^27 elements (H100, k = 4, M = 1280 / 1536 / 2048, config 7 vs staged: 4096 x
-// 14336 371 / 379 / 431 vs 264 / 309 / 409, 14336 x 4096 301 / 355 / 438 vs 288 / 319 / 406). Since then, H100, us,
-// paths interleaved (dev/probe_paths.py --configs 7 --staged), config 7 vs staged (cuBLAS fp16), k = 4:
-//   M = 1280: 14336 x 4096 252.8 vs 298.3 (226.4), 4096 x 14336 259.4 vs 268.6 (201.2; k = 5 270.6 vs 263.7),
-//             8192 x 8192 262.5 vs 314.6 (249.5), 28672 x 8192 961.8 vs 1167.0 (877.7), 4096 x 4096 89.3 vs 76.3
-//   M = 2048: 14336 x 4096 397.7 vs 422.1 (365.2), 4096 x 14336 398.8 vs 478.9, 8192 x 8192 421.3 vs 470.4,
-//             28672 x 8192 1469.3 vs 1660.1, 8192 x 28672 1457.2 vs 1706.5, 4096 x 4096 102.5 vs 115.8
-//   M = 3072: 14336 x 4096 576.3 vs 634.6 (568.5), 4096 x 14336 579.5 vs 645.7, 8192 x 8192 634.0 vs 699.0 (k = 5
-//             709.3 vs 710.0), 28672 x 8192 2243.1 vs 2482.4, 4096 x 4096 178.9 vs 185.7 (k = 5 185.6 vs 177.9)
-//   M = 4096: 14336 x 4096 787.3 vs 810.3 (738.9), 4096 x 14336 727.8 vs 786.5 (740.4), 8192 x 8192 854.5 vs 900.1,
-//             28672 x 8192 2959.7 vs 3158.5 (2875.7), 8192 x 28672 3004.9 vs 3112.4, 4096 x 4096 224.4 vs 226.8
-//   M = 8192: 14336 x 4096 1647.6 vs 1595.5, 4096 x 14336 1534.9 vs 1531.9, 8192 x 8192 1804.6 vs 1785.3 (k = 5
-//             1944.9 vs 1801.8), 28672 x 8192 6644.0 vs 6383.0: the 32 token tiles of a weight tile no longer share it
-//             through the L2 (m tile fastest, A itself 64-448 MB)
-// so config 7 up to 4096 tokens on weights of 32M elements or more, and up to 1024 below (4096 x 4096, 1024 x 4096)
-// unless its waves are full (ws_small_weight_full_waves).
-// k = 5 the same: its kernel, which then still paid a token permute (kbit_gemm_wgmma_ws.cuh section 8), was ahead of
-// or level with the staged path at M = 4096 with each path timed at its own steady-state clock (docs/kernel.md, "At
-// the power limit"; H100, k = 5, us, three rounds, config 7 vs staged, cuBLAS fp16): 14336 x 4096 803.9 vs 831.2
-// (755.3), 4096 x 14336 791.4 vs 784.0 (748.4), 8192 x 8192 913.9 vs 930.5 (861.9), 8192 x 28672 2921.9 vs 3167.7
-// (2902.7), 28672 x 8192 3080.6 vs 3213.9 (2896.6); M = 2048: 386.8 vs 434.6, 415.3 vs 427.9, 462.3 vs 482.1, 1483.7
-// vs 1678.2, 1510.0 vs 1648.6. (The same launch timed twice in one such run differed by up to 8%: 14336 x 4096 k = 3
-// M = 4096 761.1 and 829.3.)
 constexpr int WS_MIN_M = 129;
 constexpr int WS_MAX_M = 4096;
 constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
@@ -386,27 +271,14 @@ constexpr long long WS_LARGE_WEIGHT = 1LL << 25; // 4096 x 8192 and up, not 4096
 // Config 7 tiles of a launch
 static long long ws_tiles(int M, int N) { return (long long)ceil_div(N, 128) * ceil_div(M, 256); }
 // Config 7 split along k where its tiles leave SMs idle: as many splits as fit one CTA per SM, each of at least
-// WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (128 KB
-// of fp32 each) through the workspace slots of kbit_gemm.cuh section 5. H100, k = 4, us, paths interleaved
-// (dev/probe_paths.py --configs 6 7 --staged), config 7 split vs config 6 / staged (cuBLAS fp16):
-//   8192 x 28672 M=256 (64 tiles x 2 splits of 112) 187.7 vs 322.5 (183.7)
-//   8192 x 8192  M=256 (64 x 2 of 32)               66.0 vs 97.9 (54.7)
-//   4096 x 14336 M=256 (32 x 4 of 28)               65.3 vs 90.1 (59.8)
-//   4096 x 14336 M=512 (64 x 2 of 56)               109.9 vs staged 141.6 (83.2)
-//   splits of 16 k-steps lose: 4096 x 4096 M=256 (32 x 4 of 8 / 2 of 16) 32.3 / 37.1 vs 28.8, M=512 (64 x 2 of 16)
-//   42.2 vs staged 38.9; 1024 x 4096 M=512-1024 (16-32 tiles) 30-38 vs staged 16-22. Hence at least 24 k-steps.
-#ifndef KBIT_WS_MIN_SPLIT_STEPS // dev/build_variant.sh
-#define KBIT_WS_MIN_SPLIT_STEPS 24
-#endif
-constexpr int WS_MIN_SPLIT_STEPS = KBIT_WS_MIN_SPLIT_STEPS;
+// WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (128 KB of
+// fp32 each) through the workspace slots of kbit_gemm.cuh section 5. Hence at least 24 k-steps.
+constexpr int WS_MIN_SPLIT_STEPS = 24;
 constexpr size_t WS_TILE_BYTES = 256 * 128 * 4; // one fp32 partial tile
 // Without k splits, a partial last wave of config 7 that would leave more than half the SMs idle runs its tiles as
-// two CTAs of half the k-steps each (kbit_gemm_wgmma_ws.cuh section 7, with its numbers): the tiles of the last
+// two CTAs of half the k-steps each (kbit_gemm_wgmma_ws.cuh section 6): the tiles of the last
 // wave of `tiles`, each half at least 8 k-steps.
 static int ws_tail_tiles(long long tiles, int k_steps, int sm_count) {
-#ifdef KBIT_WS_NO_TAIL_SPLIT // A/B timing builds (dev/build_variant.sh)
-    return 0;
-#endif
     const long long sms = sm_count > 0 ? sm_count : 1;
     const long long tail = tiles % sms;
     return tiles > sms && tail > 0 && 2 * tail <= sms && k_steps >= 2 * WS_MIN_SPLIT_STEPS / 3 ? (int)tail : 0;
@@ -432,16 +304,9 @@ static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_c
     const size_t partial = ws_partial_bytes(M, N, K_dim, k_splits, sm_count);
     return partial == 0 ? 0 : COUNTER_REGION_BYTES + partial;
 }
-// Above WS_MAX_M_SMALL_WEIGHT tokens a smaller weight keeps config 7 where its CTAs fill at least 9/10 of every
-// wave, the last one included, k <= 4 and no k splits (ws_config_fits; what was measured): there the staged path
-// pays its dequantize for no better waves. H100, us,
-// paths interleaved (dev/probe_paths.py --configs 7 --staged), k = 2 / 3 / 4 / 5, config 7 vs staged (cuBLAS fp16):
-//   1024 x 4096 M=4096 (128 tiles, 0.97 waves) 55.0 / 56.3 / 56.7 / 60.8 vs 57.9 / 58.4 / 58.4 / 59.3 (55.0)
-//   4096 x 4096 M=2048 (256 tiles, 1.94 waves) 106.2 / 107.0 / 110.6 / 115.8 vs 114.1 / 124.2 / 120.2 / 120.1 (106)
-//   4096 x 4096 M=4096 (512 tiles, 3.88 waves) 217.8 / 220.1 / 225.0 / 234.9 vs 220.0 / 225.1 / 225.9 / 229.8 (215)
-//   4096 x 4096 M=1280 (160 tiles, 1.21 waves, before) 89.3 vs 76.3 at k = 4
-//   1024 x 14336 M=2048 (64 tiles x 2 k splits: staged) k = 2 / 4 102.6 / 106.1 vs 103.2 / 109.0 (94.9 / 97.0);
-//   M=4096 (128 tiles) 178.2 / 183.0 vs 189.5 / 203.0 (181.4 / 188.7)
+// Above WS_MAX_M_SMALL_WEIGHT tokens a smaller weight keeps config 7 where its CTAs fill at least 9/10 of every wave,
+// the last one included, k <= 4 and no k splits (ws_config_fits; what was measured): there the staged path pays its
+// dequantize for no better waves.
 static bool ws_small_weight_full_waves(long long ctas, int k_bits, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1, last_wave = ctas % sms;
     return k_bits <= 4 && 10 * ctas >= 9 * sms && (last_wave == 0 || 10 * last_wave >= 9 * sms);
@@ -460,64 +325,28 @@ static bool staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) 
     return M > FUSED_MAX_M && !ws_config_fits(M, N, K_dim, k_bits, sm_count);
 }
 
-// Config 2 with 7 warps (config 10: 224-row tiles) where that takes work off the busiest SM. Split-K gives every
-// tile the same whole number of splits in one wave, so 14336 x 4096 runs 56 tiles x 4 = 224 CTAs on 264 slots, and
-// its busiest SMs stream 2 CTAs x 8 warps x 8 k-steps; as 64 tiles of 224 rows x 4 splits (256 CTAs) they stream
-// 2 x 7 x 8. The load of the busiest SM: CTAs per SM (breadth-first placement) x warps x k-steps. A warp of 14 per
-// SM runs slower than one of 16, so the 12% less load gives 1-5%: H100, us, config 2 -> 10 (paths interleaved,
-// dev/probe_paths.py), k = 2 / 3 / 4 / 5: 14336 x 4096 M=1 12.4 / 14.6 / 16.3 / 20.0 -> 12.1 / 14.4 / 16.0 / 19.1,
-// M=8 12.9 / 15.0 / 16.8 / 20.6 -> 12.4 / 14.6 / 16.3 / 19.6; 28672 x 8192 M=1 36.0 / 44.2 / 49.2 / 61.5 -> 34.1 /
-// 43.3 / 48.5 / 59.5. The same for config 3 (224 x 16, M=16) was 0-5% slower (14336 x 4096 k=2 16.2 -> 16.8,
-// 28672 x 8192 k=3 52.8 -> 55.3): not kept.
+// Config 2 with 7 warps (config 10: 224-row tiles) where that takes work off the busiest SM. Split-K gives every tile
+// the same whole number of splits in one wave, so 14336 x 4096 runs 56 tiles x 4 = 224 CTAs on 264 slots, and its
+// busiest SMs stream 2 CTAs x 8 warps x 8 k-steps; as 64 tiles of 224 rows x 4 splits (256 CTAs) they stream 2 x 7 x
+// 8. The load of the busiest SM: CTAs per SM (breadth-first placement) x warps x k-steps.
 constexpr int SEVEN_WARP_CONFIG = 10;
 // Config 3 as one 16-warp CTA per SM (config 11: 128-row tiles, 4 warps along n x 4 along k, the k warps summed in
 // shared memory) where its tiles need no split-K and fill at least the share of the SMs that config 3's CTAs fill of
 // its slots: 14336 x 4096 at M = 16 runs 112 CTAs of 32 k-steps instead of 56 tiles x 4 splits of 8 (224 CTAs on 264
-// slots: the same 85%) and pays no workspace round trip. H100, us, forced, paths interleaved (dev/probe_paths.py),
-// config 3 -> 11, k = 2 / 3 / 4 / 5:
-//   14336 x 4096 M=16 14.8 / 16.9 / 17.5 / 21.6 -> 14.0 / 16.2 / 17.1 / 20.5; M=9 14.2 / 16.1 / 16.9 / 20.7 -> 13.2 /
-//     15.6 / 17.0 / 20.1
-//   16384 x 4096 M=16 15.1 / 17.1 / 18.4 / 22.0 -> 14.1 / 16.6 / 17.9 / 21.4 (128 CTAs on 132 SMs, config 3 256 of 264)
-//   but 12800 x 5120 M=16 15.4 / 17.5 / 18.2 / 22.2 -> 17.2 / 19.2 / 19.9 / 23.9: 100 CTAs fill 76% of the SMs where
-//   config 3's 50 tiles x 5 splits fill 95% of its slots. With split-K left it is no faster (8192 x 8192, 64 tiles x
-//   2 splits, k = 2 / 3: 15.7 / 17.6-17.7 -> 15.7-15.8 / 18.1-18.3; 4096 x 14336, 32 x 4: 14.4-14.5 / 16.4-16.5 ->
-//   14.3-14.5 / 16.5-16.7, against config 9), and with two waves slower (28672 x 8192 k = 2: 43.9 -> 52.5).
-//   docs/kernel.md "Sixteen warps per CTA at M = 16".
+// slots: the same 85%) and pays no workspace round trip.
 constexpr int SIXTEEN_WARP_MIN_STEPS_PER_WARP = 4;
-// Both ask config 11's CTAs to fill 70% of the SMs: 8192 x 2048 at M = 16 (64 CTAs) ran 7.7 / 8.7 / 9.1 / 11.0 us
-// against config 9's 7.2 / 8.2 / 8.7 (and config 3's 10.1 at k = 5).
 // Config 11 also where config 3 would cut K into >= 12 splits and config 11's CTAs (4x fewer splits) fill 70% of the
-// SMs: at k = 5, where config 9 is slow, and at any k where its warps' chunks are 4 k-steps or shorter. H100, us,
-// forced, M = 16, the dispatcher's former choice (config 3 or 9) -> 11, k = 5: 4096 x 14336 21.8 -> 21.1, 4096 x 11008
-// 19.7 -> 18.4, 3584 x 18944 26.8 -> 25.9, 5120 x 13824 25.1 -> 24.9, 3072 x 8192 15.0 -> 13.5, 2048 x 14336 18.2 ->
-// 14.2 (M = 9 alike: 20.9 -> 20.2, 18.8 -> 17.5, 25.9 -> 25.0, 24.2 -> 24.0, 14.5 -> 13.1, 14.1 -> 13.7); k = 2 / 3 /
-// 4 with chunks of 4: 3072 x 8192 9.9 / 11.4 / 12.1 -> 9.7 / 11.0 / 11.8, 2048 x 14336 10.6 / 11.9 / 12.5 -> 10.1 /
-// 11.5 / 12.3. At k = 5 also from 8 splits of at most 4 k-steps (config 9's range at k = 5): 6144 x 4096 M = 16 / 9
-// 14.8 / 14.7 -> 13.6 / 13.6. Not taken: 8 splits (8192 x 8192 k = 5: 22.8 -> 23.2), longer chunks at k <= 4 (4096 x
-// 14336, chunks of 7: 16.2 -> 16.7 at k = 3), fewer CTAs (2048 x 8192, 64 CTAs: 10.5 -> 12.3 at k = 5).
+// SMs: at k = 5, where config 9 is slow, and at any k where its warps' chunks are 4 k-steps or shorter.
 constexpr int SIXTEEN_WARP_MANY_SPLITS = 12, SIXTEEN_WARP_MIN_FILL_PCT = 70, SIXTEEN_WARP_SHORT_CHUNK = 4;
 // And config 11 as 2 splits pushed through 2-CTA clusters (push_split_k) where those CTAs fill 90% of the SMs in one
-// wave with chunks of 4-8 k-steps per warp along k: 8192 x 8192 at M = 16 runs 64 tiles x 2 splits (128 CTAs)
-// instead of config 9's 4 splits through the workspace (or config 3's 8 at k = 5). H100, us, two passes, the
-// dispatcher before -> with the rule, M = 16, k = 2 / 3 / 4 / 5: 8192 x 8192 15.2-15.7 / 17.4-17.5 / 18.9-19.1 / 22.1-22.2
-// -> 14.4-14.6 / 16.6-16.8 / 18.1-18.3 / 21.6-21.7; 8192 x 4096 10.1-10.2 / 11.2-11.3 / 12.3-12.4 -> 8.8-8.9 / 10.3-10.4
-// / 11.3-11.6 (k = 5 took config 11 already); 8448 x 5120 11.3 / 12.7 / 14.2-14.4 / 16.3-16.4 -> 10.4 / 12.0-12.5 /
-// 13.2-13.3 / 15.8; 57 cells over five shapes and M = 9, 12, 16: 0.955x (geometric mean), none slower than the spread
-// (benchmarking/results/dispatch_sweep_h100/sixteen_warp_push_m16_ab.txt). Long chunks stay with config 3: 8192 x 28672
-// (28 k-steps per warp) config 3 / 9 / 11 39.9 / 42.0 / 42.8 at k = 2.
-#ifndef KBIT_SIXTEEN_WARP_PUSH_MAX_CHUNK // dev/build_variant.sh: 0 switches the rule off
-#define KBIT_SIXTEEN_WARP_PUSH_MAX_CHUNK 8
-#endif
-constexpr int SIXTEEN_WARP_PUSH_MIN_FILL_PCT = 90, SIXTEEN_WARP_PUSH_MAX_CHUNK = KBIT_SIXTEEN_WARP_PUSH_MAX_CHUNK;
+// wave with chunks of 4-8 k-steps per warp along k: 8192 x 8192 at M = 16 runs 64 tiles x 2 splits (128 CTAs) instead
+// of config 9's 4 splits through the workspace (or config 3's 8 at k = 5).
+constexpr int SIXTEEN_WARP_PUSH_MIN_FILL_PCT = 90, SIXTEEN_WARP_PUSH_MAX_CHUNK = 8;
 // Config 13 (224-row tiles, 7 warps along n x 2 along k, one CTA per SM) instead of config 11 at M = 9..16 where its
 // plan (one split, or two pushed through 2-CTA clusters) puts CTAs on more SMs than config 11's and on at least
-// FOURTEEN_WARP_MIN_FILL_PCT of them: a call is as long as one CTA (config 11 forced on 112 / 120 / 132 tiles of
-// 4096 k: 14.2 / 14.0 / 14.6 us at M = 16, k = 2), so less work on each of more SMs. 14336 x 4096: 112 CTAs of 128
-// rows -> 128 of 224 rows x half of K (docs/kernel.md "Config 13"). 0 switches the rule off.
-#ifndef KBIT_FOURTEEN_WARP_MIN_FILL_PCT
-#define KBIT_FOURTEEN_WARP_MIN_FILL_PCT 95
-#endif
-constexpr int FOURTEEN_WARP_MIN_FILL_PCT = KBIT_FOURTEEN_WARP_MIN_FILL_PCT;
+// FOURTEEN_WARP_MIN_FILL_PCT of them: a call is as long as one CTA, so less work on each of more SMs (14336 x 4096:
+// 112 CTAs of 128 rows -> 128 of 224 rows x half of K).
+constexpr int FOURTEEN_WARP_MIN_FILL_PCT = 95;
 static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
     const ConfigInfo c = config_info(config);
     const int splits = choose_splits(c, M, N, K_dim, sm_count);
@@ -731,40 +560,15 @@ static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], 
 // k-loop; the register-weight loop at its last k-step), so the next call's CTAs take the SM slots this call's CTAs
 // leave during its split-K arrivals, last reductions and grid completion, and start their prologue there;
 // grid_dependency_wait, before a kernel's first read or write of global memory, holds them until this call is
-// complete and its memory visible. H100, us, plain
-// -> PDL, calls back to back (dev/probe_paths.py): M = 1 k = 2 / 3 14336 x 4096 12.5 / 14.9 -> 11.8 / 14.2,
-// 8192 x 8192 13.5 / 16.0 -> 12.7 / 15.3, 4096 x 4096 6.8 / 7.7 -> 6.2 / 7.7; M = 16 15.2 / 17.4 -> 14.9 / 17.2,
-// 16.5 / 18.8 -> 15.7 / 17.9, 8.3 / 9.1 -> 7.6 / 8.5. With an elementwise kernel between the calls (a norm
-// writing A: --produce-a) all within 0.1 us of plain. Allowing dependents at the kernel's start instead: 4096 x
-// 4096 6.8 -> 7.5 (M = 1), 8.3 -> 9.4 (M = 16). Before the wait, one-token-tile CTAs with long splits prefetch their
-// first weights into L2 (l2_prefetch_steps). BNB_KBIT_PDL=0 in the environment launches plainly (and prefetches
-// nothing).
-// a switch that is on unless the environment sets it to "0"
-static bool env_switch_on(const char* name) {
-    const char* v = getenv(name);
-    return v == nullptr || strcmp(v, "0") != 0;
-}
-static bool pdl_enabled() {
-    static const bool s_on = env_switch_on("BNB_KBIT_PDL");
-    return s_on && device_cc() >= 90;
-}
+// complete and its memory visible. Before the wait, one-token-tile CTAs with long splits prefetch their first
+// weights into L2 (l2_prefetch_steps). Programmatic serialization needs sm_90.
+static bool pdl_enabled() { return device_cc() >= 90; }
 
-// k-steps of each warp's split that a shared-A kernel prefetches into L2 before its dependency wait (a hint: no
-// value reaches an SM before the wait, so even weights the previous kernel wrote stay correct), with one token tile:
-// the first 2 where a warp has at least 8 k-steps, the first 1 where it has 4 to 7. Launched early, the CTAs fill
-// the previous call's idle tail with their first loads; launched after a plain kernel (no idle tail), the prefetch
-// is a quarter of the warp's weights at most, fetched at once. H100, us, M = 1, k = 2 / 3 / 4, without -> with, back
-// to back: 14336 x 4096 11.8 / 14.0 / 15.7 -> 11.3 / 13.2 / 14.7, 8192 x 8192 12.7 / 15.4 / 17.4 -> 12.0 / 14.4 /
-// 15.9, 28672 x 8192 33.8 / 42.6 / 48.5 -> 33.3 / 41.9 / 47.0, 8192 x 28672 32.7 / 40.9 / 48.3 -> 32.1 / 40.1 /
-// 46.6; after an elementwise kernel (--produce-a) 0.7% slower to 3% faster (k = 4 8192 x 28672 50.3 -> 49.4). The
-// 1-step prefetch of 4-7 k-steps (config 8 on 4096 x 14336: 7; 4096 x 4096), back to back / after an elementwise
-// kernel: 4096 x 14336 12.0 / 14.2 / 16.2 -> 11.3 / 13.3 / 15.0 and 14.0 / 16.3 / 18.2 -> 13.7 / 15.7 / 17.6;
-// 4096 x 4096 6.2 / 7.2 / 8.5 -> 5.8 / 7.1 / 7.9 and 8.0 / 8.8 / 9.4 -> 7.9 / 8.8 / 9.2; 2 steps there: as fast
-// back to back, 1% slower after an elementwise kernel. Two token tiles (M = 16, >= 8 k-steps per warp), after an
-// elementwise kernel: 14336 x 4096 k = 2 / 3 16.4 / 18.7 -> 17.1 / 19.5, so none. Without the rule (2 steps of
-// every split, two token tiles too) M = 16 and small splits were 3-20% slower (4096 x 4096 M = 16 7.6 -> 9.2; 2 of 2
-// k-steps at M = 1 after an elementwise kernel 8.0 -> 8.4); 1 or 4 steps of long splits, or all of a split, were
-// slower than 2.
+// k-steps of each warp's split that a shared-A kernel prefetches into L2 before its dependency wait (a hint: no value
+// reaches an SM before the wait, so even weights the previous kernel wrote stay correct), with one token tile: the
+// first 2 where a warp has at least 8 k-steps, the first 1 where it has 4 to 7. Launched early, the CTAs fill the
+// previous call's idle tail with their first loads; launched after a plain kernel (no idle tail), the prefetch is a
+// quarter of the warp's weights at most, fetched at once.
 static int l2_prefetch_steps(int token_tiles, int steps_per_warp) {
     if (!pdl_enabled() || token_tiles > 1) return 0;
     return steps_per_warp >= 8 ? 2 : steps_per_warp >= 4 ? 1 : 0;
@@ -797,7 +601,7 @@ static void launch_gemm(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     check_launch("ckbit_gemm");
 }
 
-// Split-K through thread-block clusters. Config 6 (kbit_gemm_wgmma.cuh section 8) sums its splits over distributed
+// Split-K through thread-block clusters. Config 6 (kbit_gemm_wgmma.cuh section 7) sums its splits over distributed
 // shared memory; the shared-A configs, with exactly 2 splits, push split 1's partial into split 0's shared memory
 // (push_split_k in kbit_gemm.cuh). Either only where every tile's cluster is resident at once
 // (cudaOccupancyMaxActiveClusters, cached per kernel, device and split count); otherwise through the workspace.
@@ -823,9 +627,6 @@ static cudaLaunchConfig_t split_cluster_launch(dim3 grid, int cluster_y, int thr
 template <typename Kernel>
 static bool cluster_reduce_fits(Kernel kernel, long long clusters, int cluster_y, int threads, int smem_bytes,
                                 short (&cache)[64][MAX_SPLITS + 1]) {
-#ifdef KBIT_NO_CLUSTER_REDUCE // A/B timing builds (dev/build_variant.sh)
-    return false;
-#endif
     if (cluster_y < 2 || cluster_y > 8) return false;
     int dev = 0;
     cudaGetDevice(&dev);
@@ -846,21 +647,9 @@ static bool cluster_reduce_fits(Kernel kernel, long long clusters, int cluster_y
 }
 
 // The shared-A push: 2-split launches run as 2-CTA clusters, split 1 pushing its partial into split 0's shared memory
-// (push_split_k in kbit_gemm.cuh; no workspace, fence or counter). H100, us, M = 1, k = 2, workspace -> push:
-// 14336 x 4096 9.6 -> 8.9, 13824 x 5120 11.4 -> 10.5, 8192 x 2048 5.2 -> 4.2; M = 16 8192 x 2048 7.0 -> 6.1,
-// 28672 x 8192 42.3 -> 40.8 (docs/kernel.md "Split-K pushed through 2-CTA clusters"). More splits as pushing pairs
-// whose sums meet in the workspace were as fast or slower (8192 x 8192, 4 splits: 9.8 -> 10.1). BNB_KBIT_SPLIT_K_PUSH
-// in the environment: the most splits that push (even; default 2, 0 = the workspace path only).
-static int split_k_push_max_splits() {
-#ifdef KBIT_NO_CLUSTER_REDUCE // A/B timing builds (dev/build_variant.sh)
-    return 0;
-#endif
-    static const int s_max = [] {
-        const char* v = getenv("BNB_KBIT_SPLIT_K_PUSH");
-        return v == nullptr ? 2 : atoi(v);
-    }();
-    return device_cc() >= 90 ? s_max : 0;
-}
+// (push_split_k in kbit_gemm.cuh; no workspace, fence or counter). Only 2 splits push: more splits as pushing pairs
+// whose sums meet in the workspace were no faster. Clusters need sm_90.
+static int split_k_push_max_splits() { return device_cc() >= 90 ? 2 : 0; }
 
 template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, int k_splits, cudaStream_t stream) {
     static bool s_attr_set[64] = {};
@@ -890,10 +679,8 @@ template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, 
     check_launch("ckbit_gemm shared-A");
 }
 
-// One token on a one-tile config (M = 1) multiplies each quantization block into its own token column
-// (BLOCK_COLUMNS, kbit_gemm.cuh section 3), for k = 2..4. H100, us, M = 1, k = 2 / 3 / 4 / 5, paths interleaved:
-// 14336 x 4096 11.3 / 12.6 / 13.8 / 16.7 -> 11.0 / 12.4 / 13.5 / 16.5, 28672 x 8192 33.4 / 39.9 / 46.2 / 55.6 ->
-// 32.3 / 38.5 / 45.6 / 55.5, 8192 x 28672 32.1 / 37.7 / 45.4 / 55.7 -> 31.8 / 37.1 / 45.1 / 56.0: k = 5 keeps HMUL2.
+// One token on a one-tile config (M = 1) multiplies each quantization block into its own token column (BLOCK_COLUMNS,
+// kbit_gemm.cuh section 3), for k = 2..4.
 template <int K_BITS> constexpr bool block_columns_for(int mb) { return mb == 1 && K_BITS <= 4; }
 
 template <int K_BITS, int MB, int MT, int CTAS, bool ABS_U8, int WK, int WN, typename T>
@@ -943,12 +730,9 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
     check_launch("ckbit_gemm wgmma");
 }
 
-// Config 7's token multicast (kbit_gemm_wgmma_ws.cuh section 10) launches clusters of 2 CTAs: whether the kernel can
+// Config 7's token multicast (kbit_gemm_wgmma_ws.cuh section 8) launches clusters of 2 CTAs: whether the kernel can
 // run them at all on this device (cached per device)
 template <typename Kernel> static bool ws_multicast_fits(Kernel kernel, int threads, int smem_bytes) {
-#ifdef KBIT_WS_NO_MULTICAST // A/B timing builds (dev/build_variant.sh)
-    return false;
-#endif
     static signed char s_known[64] = {};
     int dev = 0;
     cudaGetDevice(&dev);
@@ -1151,17 +935,6 @@ KBIT_GEMM_ENTRIES(3)
 KBIT_GEMM_ENTRIES(4)
 KBIT_GEMM_ENTRIES(5)
 
-#ifdef KBIT_PROBE_TIMELINE // dev/probe_timeline.py: the marks of the last shared-A launch, [65536 CTAs][16]
-int ckbit_probe_timeline(void* dst, size_t bytes, int clear) {
-    if (clear) {
-        static unsigned long long zeros[16 * 4096] = {};
-        for (size_t off = 0; off < sizeof(kbit::g_kbit_timeline); off += sizeof(zeros))
-            cudaMemcpyToSymbol(kbit::g_kbit_timeline, zeros, sizeof(zeros), off);
-        return cudaDeviceSynchronize() != cudaSuccess;
-    }
-    return cudaMemcpyFromSymbol(dst, kbit::g_kbit_timeline, bytes) != cudaSuccess;
-}
-#endif
 
 size_t ckbit_gemm_workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count) {
     return kbit::workspace_bytes(M, N, K_dim, k_bits, sm_count);

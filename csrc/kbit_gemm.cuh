@@ -3,250 +3,63 @@
 // ============================================================================================
 // DESIGN
 // ============================================================================================
-// 1. What is computed
-//    C[M, N] = A[M, K_dim] @ W[N, K_dim]^T (+ bias[N]); A, C, bias fp16 or bf16 (one dtype),
-//    fp32 accumulation. W is k-bit (K_BITS = 2..5): 32-element blocks along K_dim, one absmax per
-//    block (E4M4 uint8 or fp16), codebook float32 of L <= 2^K_BITS entries. No buffer may alias C.
+// 1. What is computed: C[M, N] = A[M, K_dim] @ W[N, K_dim]^T (+ bias[N]); A, C, bias fp16 or bf16 (one dtype),
+//    fp32 accumulation. W is k-bit (K_BITS = 2..5): 32-element blocks along K_dim, one absmax per block (E4M4 uint8
+//    or fp16), a float32 codebook of L <= 2^K_BITS entries. No buffer may alias C.
 //
-// 2. Tile hierarchy ("swap AB": the WEIGHT is the MMA A-operand, the activations the B-operand)
-//    mma.sync.m16n8k16: m16 = 16 rows n of W, n8 = 8 tokens m of A, k16 = 16 of K_dim.
-//    D[n16 x m8] = Wdeq[n16 x k16] * A^T[k16 x m8]: at M = 1 seven of the 8 token columns are zero,
-//    but the tensor core makes the FMAs free; the integer/LDS work per weight is what bounds M = 1.
-//      unit  = 16 rows n x 128 k (a "k-step" of 4 quantization blocks): the repack granule
-//      warp  = MT units along n (MT x 16 rows) x MB n8 token tiles, streaming its own k range
-//      CTA   = WARPS_N x WARPS_K warps: along n different rows (same A), along k contiguous chunks of
-//              the CTA's k-steps, reduced in shared memory at the end
-//      grid  = (n_ctas, k_splits, m_tiles); k_splits > 1 reduces through the workspace (section 5)
-//    Configs (kbit_gemm.cu, three tables):
-//      per-warp ring (kbit_gemm_kernel): 0 = MB 1, 1 = MB 2; MT = 2, 8 warps = 2 (n) x 4 (k), 64-row
-//        CTAs: small weights at M <= 16, where 4x the CTAs of the shared-A tile keep the GPU busy
-//      shared-A (kbit_gemm_shared_a_kernel): 2..5 = MB 1, 2, 4, 8; MT = 2, 8 warps along n, 256-row CTAs,
-//        the A tile of a k-step staged once per CTA (section 4); MB 8 ("wide") takes the SM alone;
-//        MB 2 also serves M <= 128 (k = 5: 64) for small weights, which stay in L2 across token tiles;
-//        8, 9 = configs 2, 3 with WARPS_K = 2 (4 warps along n, 128-row CTAs, each k warp a contiguous half of
-//        the CTA's k-steps): twice the tiles, half the split-K splits, where many short splits make the
-//        reduction weigh (section 5); 10 = config 2 with 7 warps (224-row CTAs), where 256-row tiles x whole
-//        splits leave SM slots idle (14336 x 4096: 256 CTAs of 224 rows instead of 224 of 256 on 264 slots);
-//        11 = config 3 as 16 warps (4 along n x 4 along k, 128-row CTAs, one per SM, sm_90): where its tiles fill
-//        3/4 to all of the SMs it needs no split-K (14336 x 4096 at M = 16: 112 CTAs, 5% faster than config 3), and
-//        in place of config 3's many splits (>= 12; k = 5) where its CTAs fill 70% of the SMs; at M = 17..32 (two token
-//        tiles on the grid) where its CTAs fill 90-100% of the SMs with 4-8 k-steps per k warp; 12 = config 2 as 8
-//        warps along k (32-row CTAs): one token at k = 3, 4 where it needs 1 or 2 splits in one even wave and each k warp
-//        a chunk of <= 7 k-steps (4096 x 14336 k = 3: 256 CTAs in 2 splits pushed through clusters, 12.0 -> 11.3 us)
-//        (the dispatcher's rules and their measurements over 22 LLM shapes: kbit_gemm.cu select_config, docs/kernel.md)
-//      wgmma (kbit_gemm_wgmma_kernel, sm_90a, its own design block in kbit_gemm_wgmma.cuh): 6 = 64 tokens,
-//        16 warps of one unit each, 256-row CTAs: the wide tile with wgmma, for M > 32 on Hopper, and at M = 17..32 where
-//        configs 3 and 4 would fill under 90% of their CTA slots
-//      warp-specialised wgmma (kbit_gemm_wgmma_ws_kernel, sm_90a, kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
-//        tokens, a producer warp (bulk copies + TMA) and 2 consumer warpgroups, for M = 129..2048 on Hopper
-//          k:  0         128        256   ...      K_pad
-//        n 0   +----------+----------+----
-//              | unit     | unit     |      config 0 CTA: rows 0..63 = warps wn 0,1 (32 rows each);
-//          16  +----------+----------+          k-steps split in 4 contiguous chunks (wk 0..3)
-//              | unit     | unit     |      per warp and k-step: MT x 8 MMAs per token tile
+// 2. Tiles ("swap AB": the WEIGHT is the MMA A operand, the activations the B operand). mma.sync.m16n8k16:
+//    m16 = 16 rows n of W, n8 = 8 tokens, k16 = 16 of K_dim. At M = 1 seven of the 8 token columns are idle, but the
+//    tensor core makes the FMAs free: the integer and shared-memory work per weight is what bounds small M.
+//      unit = 16 rows x 128 k (a "k-step" of 4 quantization blocks): the repack granule
+//      warp = MT units along n x MB token tiles of 8, streaming its own k range
+//      CTA  = WARPS_N x WARPS_K warps: along n different rows (same A), along k contiguous chunks of the CTA's
+//             k-steps, reduced in shared memory at the end
+//      grid = (n_ctas, k_splits, m_tiles); k_splits > 1 reduces across CTAs (section 5)
+//    Config families (tables in kbit_gemm.cu): the per-warp ring (kbit_gemm_kernel, configs 0-1: small weights at
+//    M <= 16); shared-A (kbit_gemm_shared_a_kernel, configs 2-5 and 8-13: the A tile of a k-step staged once per
+//    CTA, MB = 1, 2, 4, 8 token tiles, variants with warps along k or fewer/more warps along n); wgmma
+//    (kbit_gemm_wgmma.cuh, config 6, sm_90a) and warp-specialised wgmma (kbit_gemm_wgmma_ws.cuh, config 7, sm_90a),
+//    each with its own design block. The dispatcher (kbit_gemm.cu, select_config) picks one per call.
 //
-// 3. Fragment ownership (lane = 4*g + t, g = lane/4, t = lane%4)
-//    A-operand (weights) a0..a3 = half2 at (row g, slots 2t,2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)
-//    B-operand (acts)    b0, b1 = half2 at (slots 2t,2t+1 ; token g), (slots 2t+8,2t+9 ; token g)
-//    D                   d0..d3 = (n g, tok 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
-//    Slot = real k: a lane dequantizes, of each block, the 4 "pairs" (k 8p+2t, 8p+2t+1), p = 0..3 (k16 step
-//    p / 2, slots 2t + 8 (p % 2)), of rows g and g+8, and needs the same k of its token g: its B fragments
-//    of a block are the four 8 x 8 matrices (8 tokens x k 8j..8j+7) that one ldmatrix.x4 reads from a token
-//    tile in shared memory (row-major, a row of 16-byte chunks per token). The tiled layout used to permute
-//    k inside each block instead (lane t: real k 8t..8t+7, one 16-byte load of A per token and block), so
-//    that the wgmma configs, whose tensor core reads the tokens from shared memory in real k order, had to
-//    transpose the weight fields among lanes or permute the tokens first (config 7, ~3% of a call at k = 4,
-//    5-8% at k = 5). ldmatrix costs the mma.sync configs nothing: H100, us, timing-only build, LDS.128 ->
-//    ldmatrix (rows padded by 16 bytes instead of 64), M = 16, k = 2 / 3 / 4: 14336 x 4096 14.7 / 16.8 / 17.9 ->
-//    14.4 / 16.5 / 17.6, 4096 x 14336 15.2 / 17.3 / 18.4 -> 14.7 / 16.8 / 17.9; M = 1 and 32 within 0.1-0.3.
-//    Dequant of a pair: e = LUT index (2*K_BITS bits), one LDS.32 of a half2 {cb[i0]*F, cb[i1]*F}
-//    from a LUT duplicated LUT_COPIES times (copy = lane % LUT_COPIES: bank-conflict free for 32
-//    copies; k = 5 has 1024 entries: 4 copies in configs 0-1, 8 in the shared-A configs with smem weight
-//    rings, where the 32 KB table still leaves 2-3 ring stages: H200 8192 x 28672 M=1 87.2 -> 82.7 us,
-//    M=32 105.7 -> 101.8; 16 in configs 2-3, whose weights skip smem: H100 M=1 28672 x 8192 74.8 -> 61.5),
-//    then one HMUL2 by the block scale {s, s}. k = 2 looks up a QUAD (the fields of MMA registers
-//    2h and 2h + 1, one byte of a lo word) in a 256-entry table of 8-byte entries, 16 copies (an LDS.64
-//    is served per half warp), 32 KB: one shift + LOP3 + LDS.64 per 4 weights, and the two halves land
-//    in consecutive registers as the MMA wants them (pairs 2h, 2h+2 would cost a move each: 364 vs 306
-//    instructions per k-step). H200 M = 1: 28672 x 8192 48.3 -> 46.0 us, 8192 x 28672 43.1 -> 41.5.
-//    k = 3 at MB = 1 applies the scale in fp32 after the MMA instead (POST_SCALE, KbitGemmConfig).
-//    One token (M = 1, configs 2, 8, 10, k <= 4: BLOCK_COLUMNS) uses the 7 idle token columns: block b of a
-//    k-step is multiplied into column b alone: in block b's two MMAs lane (g, t) passes block b's activations as its
-//    B fragment where g = b and zeros elsewhere, so each MMA adds its block into one column and leaves the others;
-//    the LUT holds bare codebook values (x 16) and after a k-step's 8 MMAs per unit d[n g][col 2t, 2t+1] are the
-//    unscaled sums of blocks 2t, 2t+1 (t >= 2: empty columns), scaled with 4 FFMA per unit in fp32; after the loop
-//    2 shuffles per row sum the columns. The A slot is the k-step's one token row with each block's 16 words in
-//    quad-major order (word 4j + t at 4t + j), so lane (g < 4, t) reads its block's four B registers with one
-//    LDS.128 per k-step (2 shared-memory wavefronts per warp) and 16 SEL zero them outside block g's MMAs.
-//      k-step:   block 0    block 1    block 2    block 3          D (16 rows x 8 columns), per k-step
-//      B column  0: a0      1: a1      2: a2      3: a3            col 0 += W[:, blk 0] a0 ... col 3 += ...
-//               (columns 4..7, and column g outside block g: 0)     acc[n][c] += s[n][blk c] * D[n][c]
-//    That drops the 32 HMUL2 and 8 scale pairs per unit and k-step (k = 4: 706 -> 680 loop instructions per
-//    2 k-steps, 798 with HMUL2). H100, M = 1, us, HMUL2 / lanes masking a broadcast A / a diagonal slot (block b in
-//    row b, 4 ldmatrix.x4 per k-step), k = 2: 14336 x 4096 11.3 / 11.0 / 11.0, 28672 x 8192 33.4 / 32.3 / 32.2;
-//    k = 3 (POST_SCALE before): 39.9 / 39.5 / 38.5; k = 4 46.2 / 45.5 / 45.6; k = 5 55.6 / 55.4 / 55.5 (not taken).
-//    The diagonal's ldmatrix.x4 cost 16 wavefronts per warp and k-step against the table's 64 (2 units), in a loop
-//    whose shared-memory pipe is ~75% busy; one LDS.128 instead (2026-11-26), H100, us, dispatcher's plans, two
-//    passes, k = 2 / 3 / 4: 4096 x 14336 10.2 / 11.8 / 13.4 -> 9.3 / 11.9 / 12.9, 8192 x 8192 10.6 / 12.9 / 14.4 ->
-//    9.6 / 12.7 / 14.1, 14336 x 4096 10.3 / 12.0 / 13.1 -> 9.9 / 12.3 / 12.9, 8192 x 28672 28.6 / 36.5 / 44.4 -> 26.5
-//    / 36.8 / 43.8, 28672 x 8192 29.7 / 38.0 / 44.6 -> 28.7 / 39.2 / 44.3 (docs/kernel.md "The one-token A slot").
-//    The repack (TiledFormat) stores each lane's pair indices e as contiguous 2k-bit fields of its 2k words, so
-//    the LUT address is one shift (a funnel shift for the k = 3, 5 fields that straddle two words) + one LOP3.
-//    E4M4 scales need no decode arithmetic: the bits (code << 6) ARE an fp16 equal to absmax / 16
-//    (code << 3: a bf16 equal to absmax * 2^-116, subnormals included); F = 16 (or 2^116) is
-//    folded into the LUT. fp16 absmax: F = 1 (bf16 compute converts the scale through fp32). A lane's 4 codes of a
-//    row half share one word: one rotation + mask gives the half2 {s0, s2}, the other {s1, s3}, and each HMUL2 takes
-//    its scale as a .H0_H0 / .H1_H1 operand (scale_pair): 4 instructions per 4 scales, 2-5% fewer in the loops
-//    (H100, M = 16, k = 3: 14336 x 4096 16.1 -> 15.8 us, 4096 x 14336 16.15 -> 15.9; M = 1 (block columns) unchanged).
+// 3. Fragments (lane = 4g + t). Weights a0..a3 = half2 at (row g, k 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+//    (g+8, 2t+8..); activations b0, b1 = (k 2t..2t+1; token g), (k 2t+8..; token g); D d0..d3 = (n g, token 2t),
+//    (g, 2t+1), (g+8, 2t), (g+8, 2t+1). Slots are real k: a lane dequantizes, of each block, the 4 pairs
+//    (k 8p+2t, 8p+2t+1) of rows g and g+8, and reads the matching token fragments with one ldmatrix.x4 per block
+//    from a row-major token tile in shared memory (the wgmma configs read the same layout).
+//    Dequant of a pair: its LUT index e (2 K_BITS bits, one shift or funnel shift + one LOP3 from the lane's
+//    contiguous fields, TiledFormat) selects a half2 {cb[i0] F, cb[i1] F} from a table replicated LUT_COPIES times
+//    (copy = lane % LUT_COPIES, bank-conflict free), then one HMUL2 by the block scale. k = 2 looks up a quad (one
+//    byte: the fields of MMA registers 2h, 2h+1) in a 256-entry table of 8-byte entries: one LDS.64 per 4 weights.
+//    k = 3 with one token tile scales in fp32 after the MMA (POST_SCALE). One token (BLOCK_COLUMNS: configs 2, 8,
+//    10, 12, k <= 4) uses the idle token columns: block b of a k-step is multiplied into column b alone (lane g = b
+//    passes its activations, the others zeros), the table holds bare codebook values, and the four block scales
+//    multiply the columns in fp32 (4 FFMA per unit); 2 shuffles per row sum the columns after the loop.
+//    E4M4 scales need no decode: (code << 6) is an fp16 equal to absmax / 16, (code << 3) a bf16 equal to
+//    absmax * 2^-116; the factor F = 16 (or 2^116) is folded into the table. fp16 absmax: F = 1.
 //
-// 4. Pipeline
-//    Configs 0-2 (per warp, no CTA barrier in the main loop): each lane cp.async-copies exactly the
-//    weight words and absmax it will itself read into its warp's private ring (depth chosen at
-//    launch, 2..6 stages, from the smem left after the LUT), so cp.async.wait_group alone orders it.
-//    stages-1 k-steps are in flight while one is dequantized. MB = 1: the A rows of the k-step travel
-//    in the same ring stage (lane (g, t) copies 16-byte chunk t of each block of token g, chunks swizzled
-//    so ldmatrix is conflict-free, __syncwarp before the reads; k >= K_dim zero-filled);
-//    MB >= 2: A is loaded into registers one k-step ahead (L1 shared by the WARPS_N warps; four 4-byte loads
-//    per token and block, the words of the lane's pairs).
-//    Shared-A configs: ONE A ring per CTA ([8*MB tokens][128 k], rows padded by 16 B so the ldmatrix
-//    fragment reads are conflict-free), one __syncthreads per k-step (wait step i, barrier, refill the
-//    slot of step i-1, compute step i; per 2 k-steps with register weights, below); 2-4 stages in
-//    112 KB (MB 1-4, two CTAs per SM) or 226 KB (MB 8).
-//    Each dequantized fragment feeds MB MMAs. The weights: MB = 4, 8 use the per-warp smem rings above;
-//    MB = 1, 2 (M <= 16) keep them in registers instead (W_REG_STAGES = 2, 2; 3 for k = 2 in configs 2, 10): each lane loads its own
-//    words and scales with ld.global.nc.L1::no_allocate into a ring of that many k-steps, refilling a
-//    slot right after the compute that used it (the loop is unrolled by the depth, so every slot is a
-//    fixed set of registers). That drops the cp.async write, the LDS read back and the ring's wait from
-//    the loop: ~35% of its shared-memory traffic at k = 4, whose bandwidth is what bounds M = 1 (7).
-//    With their weights in registers the CTA barrier is only for A, so these configs refill A two
-//    k-steps at a time (A_STEPS_PER_BARRIER = 2, 4 slots): one barrier per 2 k-steps lets a warp that is
-//    late on one step's weights catch up before the others wait. H100, us, a barrier per step -> per 2
-//    steps: 28672 x 8192 M=16 k=2 47.1 -> 44.6, k=4 57.7 -> 56.6, k=5 84.3 -> 82.5; 8192 x 28672 M=16
-//    k=4 55.2 -> 52.9; M=1 1-2%. 6 slots (2 per barrier) and 8 (4 per barrier) were 0-2% slower than 4.
-//    Without any barrier (a timing-only build, racing on A) M=1/16 k=2 was 6% faster than per step. But each lane
-//    reading its A straight from global memory (L1-cached LDG.128 per block, no A ring, no barrier in the loop;
-//    configs 2 and 10) was 3-8% slower: H100, us, M=1, k = 2 / 3 / 4 / 5, 14336 x 4096 12.2 / 14.3 / 16.0 / 19.0
-//    -> 13.1 / 14.8 / 17.4 / 21.0, 8192 x 8192 13.1 / 15.5 / 17.8 / 21.8 -> 14.1 / 16.3 / 19.0 / 23.1 (28672 x
-//    8192 k=3 43.3 -> 42.7 the one gain); M=4 alike.
+// 4. Pipeline. Per-warp ring (configs 0-1): each lane cp.async-copies exactly the words and scales it will read
+//    into its warp's private ring (2..6 stages), so cp.async.wait_group alone orders it; no CTA barrier in the loop.
+//    Shared-A configs: one A ring per CTA (rows padded by 16 bytes: conflict-free ldmatrix), one barrier per refill.
+//    MB = 4, 8 stage their weights in per-warp shared rings; MB = 1, 2 (W_REG_STAGES > 0) load them with
+//    ld.global.nc into a register ring 2-3 k-steps deep (the loop unrolled by the depth), so the loop has no weight
+//    traffic through shared memory and the barrier serves A alone, refilled two k-steps per barrier.
 //
-// 5. Work decomposition and split-K (every config, M <= 256; shared-A configs have WARPS_K = 1 but 8, 9 and 11)
-//    k-steps of grid split s: [s*ks_per_split, ...); inside: WARPS_K contiguous chunks.
-//    Example K_pad = 4096 (32 k-steps), k_splits = 2, WARPS_K = 4: split 0 = steps 0..15, warp
-//    wk = 0..3 gets steps 4wk..4wk+3 of it. Epilogue: warps wk > 0 write fp32 partials to smem, warp
-//    wk = 0 adds them in wk order; with k_splits = 1 it stores C (+bias). With k_splits > 1 every
-//    split writes its partial tile to workspace slot [tile][split]; after a CTA barrier thread 0 adds 1
-//    to the tile's counter with one acq_rel atomic (release of the CTA's slot, acquire of the others'
-//    slots, ordered for every thread by the barriers around it: no per-thread __threadfence, which cost
-//    0.3-0.6 us per call at M = 1 on H100); the last arriving CTA sums the slots in split order
-//    0..k_splits-1 (bitwise deterministic, independent of arrival order), stores C and resets the
-//    counter to 0. The counters sit at the start of the workspace, which must be zeroed ONCE at
-//    allocation; one workspace must not be used by two GEMMs running concurrently (different streams).
-//    k_splits = floor(CTA slots / CTAs) (one wave), capped by k-steps and the workspace size.
-//    That tail (fence, counter, slot reads: L2 round trips while other CTAs stream) is 11-20% of an 8B-shape call at
-//    M = 1 and 16 (H100, k = 3, M = 16, 4096 x 14336: 17.3 us, 13.8 with every split only storing its slot).
-//    Slower, measured: the sum in a second kernel (1.2-3.7 us per call); slots that read 0 between calls, with a
-//    relaxed counter per CTA or per warp (no fence; M = 16 up to 34% slower); the splits of a tile as one thread-block
-//    cluster summing through DSMEM (M = 1 up to 6.6 us slower: clusters of 4-16 CTAs are placed within a GPC and fewer
-//    are resident at once; where all fit, 0.1-0.6 us faster); pushing pairs of splits (4-8 splits) through 2-CTA
-//    clusters before the workspace: as fast or slower. Counters 128 B apart: no change.
-//    docs/kernel.md "The split-K tail taken apart".
-//    Kept: the shared-A configs launch 2-split plans on sm_90 as 2-CTA clusters where all are resident: split 1's
-//    k-reduced warps store their partial into split 0's shared memory with st.async and leave, split 0 waits on an
-//    mbarrier for the bytes and stores C (push_split_k): no workspace, fence or counter; the same sum, split 0 +
-//    split 1. H100, M = 1, k = 2: 14336 x 4096 9.6 -> 8.9 us, 8192 x 2048 5.2 -> 4.2 (kbit_gemm.cu,
-//    split_k_push_max_splits).
-//    Configs 8, 9, 11 (shared-A, WARPS_K = 2, 2, 4): the A slot of a CTA step holds the k-step of each k warp's chunk
-//    (k_begin + wk * chunk + i); where a split's k-steps are odd the second chunk is one shorter and its warp
-//    multiplies its stale weight registers by zero-filled A for that step (a branch around the compute instead
-//    cost 5-30%: ptxas then no longer overlapped consecutive steps).
-//    Consecutive calls overlap (configs 0-5, 8-11; programmatic dependent launch, sm_90): a kernel waits for the
-//    previous one (griddepcontrol.wait) before its first global access and lets the next one launch once its
-//    loads are issued (after the k-loop; the register-weight loop at its last k-step), so the next call's CTAs
-//    fill the slots of this call's split-K tail: H100 back to back, M = 1 0-9% faster (14336 x 4096 k = 2 12.5
-//    -> 11.8 us; 4096 x 4096 k = 3 7.3 -> 6.6 for the last-step trigger), no change after a plain kernel
-//    (kbit_gemm.cu, pdl_enabled).
-//    Before the wait, one-token-tile CTAs prefetch their first k-steps into L2 (a hint, safe there; 2 with >= 8
-//    k-steps per warp, 1 with 4-7): back to back another 2-9% (14336 x 4096 k = 3 14.0 -> 13.2 us, 4096 x 14336
-//    14.2 -> 13.3) (kbit_gemm.cu, l2_prefetch_steps).
+// 5. Split-K. Grid split s takes k-steps [s ks_per_split, ...), cut into WARPS_K contiguous chunks, the warps of a
+//    CTA summed in shared memory. k_splits > 1: every split writes its partial tile to workspace slot [tile][split];
+//    after a CTA barrier thread 0 takes one acq_rel atomic on the tile's counter; the last CTA to arrive sums the
+//    slots in split order (bitwise deterministic), stores C and resets the counter. The counters are zeroed once at
+//    allocation; one workspace must not serve two GEMMs running concurrently. On sm_90 the shared-A configs run
+//    2-split plans as 2-CTA clusters where all are resident: split 1 pushes its partial into split 0's shared memory
+//    (st.async + mbarrier, push_split_k) and split 0 adds it: the same sum, without workspace or counter. With
+//    WARPS_K > 1 and an odd number of k-steps the second chunk's warp multiplies by zero-filled A for its last step.
+//    Consecutive calls overlap on sm_90 (programmatic dependent launch): a kernel waits (griddepcontrol.wait) before
+//    its first global access and lets the next launch once its loads are issued; before the wait, one-token-tile
+//    CTAs prefetch their first k-steps into L2 (a hint, harmless whatever the previous kernel writes).
 //
-// 6. Invariants: K_dim % 32 == 0, M, N >= 1, lda >= K_dim (launcher); tiled N padded to 16 and K to
-//    128 with zero absmax (repack); A beyond K_dim is zero-filled, A rows >= M and weight rows >= N
-//    only ever feed output elements that are not stored; B_packed 16-byte aligned (cudaMalloc);
-//    A may have any alignment / lda (16-bit load fallback). Smem: configs 0-4 <= 112 KB (two CTAs
-//    per SM on sm_90), wide 226 KB (sm_90 only: the dispatcher checks the device opt-in limit).
-//
-// 7. Why (estimates first, then measurements; tables in dev/gemm_harness/NOTES.md)
-//    M = 1 on H100: ~3.35 TB/s HBM vs ~132 SMs x 4 x 32 lanes x 1.75 GHz = 30e12 lane-ops/s; k = 4
-//    at 0.53 B/weight -> 6.3e12 weights/s -> ~4.7 lane-ops per weight. Per-element bit-plane
-//    extraction (K_BITS x (shift, and, or)) + shfl = ~14 ops/weight: cannot reach 60%. Pair LUT +
-//    HMUL2 = ~2 ops/weight, leaving room for loads/addressing.
-//    Measured (H200, copy BW 3.97 TB/s, fp16, E4M4, k = 4, M = 1): 40% of the byte floor at
-//    N=14336 K=4096 (19.6 us), 60% at N=8192 K=28672 (51.9 us); 1.6-2.2x faster than cuBLAS fp16.
-//    ncu (N=14336 K=4096): ~0.55 IPC per SMSP, 4.5 lane-instructions per weight (SASS: ~5.6 per
-//    pair in the dequant loop), stalls wait / long scoreboard / not selected, 63% SM-active time
-//    (224 CTAs on 264 slots, launch + pipeline fill): per-SM issue and wave quantization bound it.
-//    Measured and rejected:
-//    - A through registers one k-step ahead for M <= 4: same speed as A in the ring (20.5 us); the
-//      ring needs fewer registers and exposes no global latency, kept. For M = 16 per-warp A copies
-//      cost a CTA per SM (40.9 vs 25.7 us), so MB >= 2 keeps A in registers.
-//    - recomputing unit addresses per k-step: ~40% of the loop's instructions; pointer increments.
-//    - A copies of the MB = 1 ring with per-block K_dim checks: ~48 of ~520 instructions per k-step;
-//      a check-free path for k-steps inside K_dim takes ~20 (no measurable change at M = 1, kept).
-//    - a byte-indexed 64 KB LUT (one PRMT per pair address instead of shift + LOP3) in 16-warp CTAs:
-//      fewer instructions, not faster (N=14336 K=4096: 23.6 vs 20.8 us, 1.7 waves at one CTA per SM;
-//      N=8192 K=28672: 50.0 vs 52.2 us). Removed. Retried in the shared-A MB = 1 config (2 stages
-//      left in 112 KB): ptxas kept the table base in a vector register and added it per pair
-//      (PRMT + IADD + LDS), so the loop stayed at ~420 instructions per k-step; not pursued.
-//    - 32-row CTAs for small weights: no gain (N=4096 K=4096: 11.9 vs 10.9 us). Removed.
-//    - A in registers for 4 token tiles per warp (a former config): 0.13x cuBLAS at M >= 128, and at
-//      M = 32 slower than the 32-token shared-A tile (N=14336 K=4096: 45.8 vs 27.1 us). Per-warp
-//      register A also lost to shared A at M = 5..16 on large weights (28.7 vs 22.0 us): each warp
-//      loaded 16 bytes per token tile and block through L1, twice the weight bytes at M = 16.
-//    - MB = 1 with 128-row CTAs, three per SM (24 warps, 73 KB each): 1-6% slower than two 256-row
-//      CTAs per SM, so occupancy is not what bounds M = 1. Again with the weights in registers, config 3
-//      as MT = 1, 128-row CTAs, three per SM (72-80 registers, no spills): M = 16 slower everywhere (H100,
-//      us, k = 2 / 3 / 4 / 5: 14336 x 4096 14.8 / 16.8 / 18.1 / 21.6 -> 16.9 / 19.2 / 19.8 / 29.5, 28672 x 8192
-//      44.5 / 53.6 / 56.1 / 71.8 -> 54.8 / 74.4 / 76.5 / 78.4): twice the A fragment loads per weight.
-//    - stream-K for the shared-A configs (one CTA per slot, equal shares of tiles x k-steps, a CTA
-//      spanning two tiles parks the first partial and arrives on both counters at its end): H200
-//      k = 4, 28672 x 8192 M=1 56.7 -> 53.5 us (split-K filled 224 of 264 slots), but 14336 x 4096
-//      18.6 -> 19.3, 8192 x 8192 19.1 -> 21.2 and 4096 x 14336 (17 CTAs per tile) 18.3 -> 23.7 at
-//      M = 1, and slower at M = 16 and 64 too. Grid split-K kept.
-//    - resident A for configs 9 and 11 (a CTA's whole A in shared memory, one slot per k-step filled by per-row
-//      bulk copies on its own mbarrier, no CTA barrier in the loop; branch exp/resident-a): H100, M = 16, k = 2,
-//      14336 x 4096 13.6 -> 17.1 us, 8192 x 8192 14.3 -> 17.6. Timing-only builds without the table reads, 7 of 8
-//      ldmatrix and the A refills (KBIT_PROBE_NO_TABLE, _ONE_LDMATRIX, _NO_A_REFILL) took M = 16, k = 2 only to
-//      12.3-13.0 us: shared memory is not what bounds M = 16 (docs/kernel.md "M = 16 without its shared-memory reads").
-//    - the wide config reaches 0.37x cuBLAS at M = 4096; above 256 tokens the staged path (dequantize
-//      + cuBLAS, backends/cuda/ops.py) runs instead, and on Hopper config 7 up to M = 2048.
-//    - more split-K (the SM count overridden so splits = 3..8 on 28672 x 8192 M=1): k = 2 48.5 -> 44.1 us
-//      at 8 splits, k = 4 56.5 -> 55.6, and 14336 x 4096 / 8192 x 8192 slower (up to 1.4x): not taken.
-//    - 5 ring stages (k = 2, 3 fit them in 112 KB): no change; one 226 KB CTA per SM with 8 stages: 3-8%
-//      slower; MT = 4 (512-row CTAs, one per SM): 0-5% slower.
-//    - a 16-copy pair table for k = 3, 4 (16 KB, lanes l and l+16 share a copy): 20-28% slower (k = 4
-//      28672 x 8192 M=1 57.5 -> 73.5 us): shared-memory bandwidth is what the loop spends.
-//    Where M = 1 goes (H200, 28672 x 8192, shared-A MB = 1; leave-one-out builds, KBIT_PROBE_NO_LOADS /
-//    KBIT_PROBE_NO_COMPUTE in the shared-A kernel, dev/build_variant.sh): k = 2 full 46.4 us, without the
-//    ring refills 37.3, without the dequant/MMA 24.7 (floor 15.6); k = 4: 57.6, 40.0, 40.5 (floor 29.5).
-//    So the dequant alone runs at ~45% issue (ncu: 0.57 IPC per scheduler, stalls spread over wait,
-//    short scoreboard, MIO, math pipe, barrier), the copy alone at 63-73% of DRAM bandwidth, and they
-//    only partly overlap. Shared memory per warp and k-step: 8 KB of LUT reads, ~2 KB of weight ring
-//    writes + reads each, A fragments: ~1800 of the ~2300 cycles per k-step (both CTAs) at 128 B/clk.
-//    Reading A rows < M only (lanes of rows >= M share the last row, so the fragment read broadcasts) took
-//    k = 2 M=1 47.9 -> 44.7 us and k = 4 57.3 -> 54.5.
-//    Weights in registers (section 4), H100, us, smem ring -> registers, each pair from one call:
-//      M = 1 (3 k-steps deep), 28672 x 8192: k = 2 44.4 -> 38.5, k = 3 60.9 -> 55.7, k = 4 56.5 -> 51.6,
-//      k = 5 90.8 -> 77.7; 8192 x 28672: 40.2 -> 35.3, 55.0 -> 51.1, 57.3 -> 50.5, 80.7 -> 70.3;
-//      14336 x 4096: 16.0 -> 14.2, 20.3 -> 19.1, 18.5 -> 17.8, 27.7 -> 25.3. Four k-steps deep: k = 4
-//      28672 x 8192 55.6 (and k = 5 spills). M = 16 (config 3), 28672 x 8192: 2 deep k = 2 53.4 -> 47.1,
-//      k = 4 65.2 -> 58.1, k = 5 98.4 -> 85.0 (3 deep: 47.5, 58.8, 88.8); 14336 x 4096 19.7 -> 17.3,
-//      22.0 -> 20.3, 30.4 -> 27.3. A register codebook for k = 2 (PRMT from two registers instead of LUT
-//      reads) was then costed and is slower (docs/kernel.md).
-//    Prologue and epilogue (ncu per-instruction stall sampling, dev/ncu_stalls.py; docs/kernel.md "Where
-//    the time goes"): the codebook load goes first (build_lut), config 2 copies A before its weights
-//    (shared_a_loop_weight_regs), and split-K arrives with one acq_rel atomic per CTA (section 5): H100
-//    M = 1 14336 x 4096 k = 2 14.4 -> 12.5 us, 8192 x 8192 k = 5 26.8 -> 24.4. Not kept: three CTAs per
-//    SM for config 2 (slower everywhere), split-K through thread-block clusters (slower but for config 6).
+// 6. Invariants: K_dim % 32 == 0, M, N >= 1, lda >= K_dim (launcher); tiled N padded to 16 and K to 128 with zero
+//    absmax (repack); A beyond K_dim is zero-filled, A rows >= M and weight rows >= N feed only outputs that are not
+//    stored; B_packed 16-byte aligned; A of any alignment and lda (16-bit load fallback). Shared memory: configs
+//    0-4 <= 112 KB (two CTAs per SM), the wide ones 226 KB (sm_90; the dispatcher checks the opt-in limit).
 //
 // Naming: g_ global, s_ shared, r_ registers; frag_a (weights), frag_b (acts), acc.
 // ============================================================================================
@@ -270,19 +83,13 @@ constexpr int UNIT_BLOCKS = UNIT_K / BLOCK_ELEMS;    // 4 quantization blocks pe
 constexpr int UNIT_ABSMAX = UNIT_ROWS * UNIT_BLOCKS; // 64 absmax entries per unit
 static_assert(UNIT_K % BLOCK_ELEMS == 0, "a unit must hold whole quantization blocks");
 
-// Per k-bit width: how a lane's 2*K_BITS words per unit hold its 32 pair fields.
-//   pair q = 4*u + j, u = 2*blk + s (MMA k16 step), j = MMA register (0: row g, pair 2s; 1: row g+8,
-//   pair 2s; 2: row g, pair 2s+1; 3: row g+8, pair 2s+1). A pair = elements (8p+2t, 8p+2t+1) of its block: the
-//   k the MMA register fragment puts there (section 3), so every config reads the tokens in their own order.
-//   The pair's field is its LUT index e (FIELD_BITS = 2 K_BITS bits) at bits [q FIELD_BITS, + FIELD_BITS)
-//   of the lane's words read as one 64 K_BITS-bit little-endian stream (word w = stream bits 32w..32w+31);
-//   for k = 3, 5 a field may straddle two words (one funnel shift reads it). Every k thus needs one shift + one
-//   LOP3 per LUT address; the former odd-k split (a low-bits field + a 2-bit top-bits field in other words) needed
-//   two of each: H100 M = 1 k = 3, us, 14336 x 4096 18.1 -> 14.8, 28672 x 8192 55.3 -> 44.0 (docs/kernel.md).
-//   e = lo | hi << LO_FIELD_BITS: lo = the LO_BITS_PER_ELEM low index bits of elem0, then of elem1; hi
-//   (k odd) = the top index bit of elem0 (bit 0) and of elem1 (bit 1).
-//   k = 2: byte b of word w holds pairs q = 8w + 2b and + 1, i.e. MMA registers 2h and 2h + 1 of MMA u
-//   (q = 4u + 2h): one "quad" the GEMM looks up at once into two consecutive registers.
+// Per k-bit width: how a lane's 2*K_BITS words per unit hold its 32 pair fields. pair q = 4*u + j, u = 2*blk + s (MMA
+// k16 step), j = MMA register (0: row g, pair 2s; 1: row g+8, pair 2s; 2: row g, pair 2s+1; 3: row g+8, pair 2s+1). A
+// pair = elements (8p+2t, 8p+2t+1) of its block: the k the MMA register fragment puts there (section 3), so every
+// config reads the tokens in their own order. The pair's field is its LUT index e (FIELD_BITS = 2 K_BITS bits) at bits
+// [q FIELD_BITS, + FIELD_BITS) of the lane's words read as one 64 K_BITS-bit little-endian stream (word w = stream
+// bits 32w..32w+31); for k = 3, 5 a field may straddle two words (one funnel shift reads it). MMA registers 2h and 2h
+// + 1 of MMA u (q = 4u + 2h): one "quad" the GEMM looks up at once into two consecutive registers.
 template <int K_BITS> struct TiledFormat {
     static_assert(K_BITS >= 2 && K_BITS <= 5, "K_BITS must be 2..5");
     static constexpr int LO_BITS_PER_ELEM = K_BITS >= 4 ? 4 : 2;
@@ -347,53 +154,32 @@ struct KbitGemmConfig {
     // per-warp ring stage: [Fmt::LANE_WORDS x 32 lanes] words per unit, then absmax
     static constexpr int STAGE_W_WORDS = MT * Fmt::UNIT_WORDS;
     static constexpr int STAGE_ABS_WORDS = MT * 32 * ABS_BYTES_PER_LANE / 4;
-    // A of one k-step: [UNIT_BLOCKS][a_rows][4 chunks][16 bytes], chunk c of row r at c ^ a_chunk_swizzle(r);
-    // a_rows = min(M, TILE_M) at run time.
-    // Only for one token tile (MB = 1): wider tiles keep A in registers one k-step ahead, because
-    // per-warp copies of 16+ rows cost the smem of a second CTA per SM (H200, N=14336 K=4096 M=16
-    // k=4: A in ring 40.9 us, A in registers 25.7 us).
+    // A of one k-step: [UNIT_BLOCKS][a_rows][4 chunks][16 bytes], chunk c of row r at c ^ a_chunk_swizzle(r); a_rows =
+    // min(M, TILE_M) at run time.
     static constexpr bool A_IN_RING = MB == 1;
     static constexpr int A_WORDS_PER_ROW = A_IN_RING ? UNIT_BLOCKS * 16 : 0;
-    // LUT: k = 3..5 a pair table (entry = one half2 / bf162), k = 2 a quad table (entry = two of them,
-    // read with one LDS.64: 256 entries). Copies: one per lane (conflict-free) for k = 3, 4; 16 for the
-    // quad table (an LDS.64 is served per half warp); k = 5 has 1024 entries: 4 copies (16 KB) in the
-    // per-warp configs, 8 (32 KB) in the shared-A ones with weight rings in smem, 16 (64 KB) in the register-
-    // weight configs 2 and 3, whose smem holds only the table and A (lanes l, l + 16 share a copy: 2-way
-    // conflicts at most, against 4-way with 8). H100, us, 8 -> 16 copies: M = 1 14336 x 4096 23.9 -> 20.3,
-    // 28672 x 8192 74.8 -> 61.5, 4096 x 14336 23.3 -> 20.9; M = 16 26.3 -> 23.4, 81.8 -> 68.0, 26.6 -> 24.3
-#ifndef KBIT_K2_PAIR_LUT // 1: k = 2 looks up pairs in a 16-entry table (2 KB to build), as k = 3..5 (dev/build_variant.sh)
-#define KBIT_K2_PAIR_LUT 0
-#endif
-    static constexpr bool QUAD_LUT = Fmt::QUAD && !KBIT_K2_PAIR_LUT;
+    // LUT: k = 3..5 a pair table (entry = one half2 / bf162), k = 2 a quad table (entry = two of them, read with one
+    // LDS.64: 256 entries). Copies: one per lane (conflict-free) for k = 3, 4; 16 for the quad table (an LDS.64 is
+    // served per half warp); k = 5 has 1024 entries: 4 copies (16 KB) in the per-warp configs, 8 (32 KB) in the
+    // shared-A ones with weight rings in smem, 16 (64 KB) in the register- weight configs 2 and 3, whose smem holds
+    // only the table and A (lanes l, l + 16 share a copy: 2-way conflicts at most, against 4-way with 8).
+    static constexpr bool QUAD_LUT = Fmt::QUAD;
     // build_lut: one entry per thread (shared-A and wgmma configs) or one 16-byte chunk per thread (per-warp configs)
     static constexpr bool LUT_BUILD_BY_ENTRY = SHARED_A_;
     static constexpr int LUT_ENTRIES = QUAD_LUT ? 256 : Fmt::LUT_ENTRIES;
     static constexpr int LUT_ENTRY_BYTES = QUAD_LUT ? 8 : 4;
-#ifndef KBIT_K5_LUT_COPIES_REG // k = 5 table copies of the register-weight configs (dev/build_variant.sh)
-#define KBIT_K5_LUT_COPIES_REG 16
-#endif
-    static constexpr int LUT_COPIES = QUAD_LUT ? 16 : K_BITS <= 4 ? 32 : SHARED_A_ && MB <= 2 ? KBIT_K5_LUT_COPIES_REG : SHARED_A_ ? 8 : 4;
+    static constexpr int LUT_COPIES = QUAD_LUT ? 16 : K_BITS <= 4 ? 32 : SHARED_A_ && MB <= 2 ? 16 : SHARED_A_ ? 8 : 4;
     static constexpr int LUT_WORDS = LUT_ENTRIES * LUT_COPIES * LUT_ENTRY_BYTES / 4;
     static constexpr int LUT_STRIDE_LOG2 = ilog2(LUT_COPIES * LUT_ENTRY_BYTES); // bytes per entry (all copies)
     static_assert((1 << LUT_STRIDE_LOG2) == LUT_COPIES * LUT_ENTRY_BYTES, "LUT stride = copies x entry bytes");
-    // POST_SCALE: the block scale is applied in fp32 after the MMA (per block: 2 MMAs into a zeroed
-    // fragment, then 4 FFMA per token tile) instead of one HMUL2 per pair (16 per block). At MB = 1 the
-    // loop is 32 instructions per k-step shorter, but the HMUL2s run on the FMA pipe, which is not what
-    // bounds the loop (section 7): H200 M = 1, us, with / without: k = 3 28672 x 8192 59.4 / 60.6,
-    // 8192 x 28672 53.4 / 54.6; k = 4 57.5 / 55.4, 51.3 / 50.1; k = 2 46.8 / 46.0. Kept for k = 3 only.
-    // Again with the weights in registers (H100, us): k = 2 38.2 / 38.1, k = 4 51.4 / 50.7, k = 5 79.4 / 76.9.
-    // k = 2 at two token tiles (M = 9 / 16, H100, us, without / with): 14336 x 4096 12.5 / 13.1-13.2 and 13.3 /
-    // 13.7-13.8, 4096 x 14336 13.1-13.2 / 13.4-13.5 and 14.0-14.1 / 14.3-14.4, 8192 x 8192 13.4-13.5 / 14.1-14.3
-    // and 14.4 / 15.0-15.1 (docs/kernel.md "The tensor pipe at M = 16").
-#ifndef KBIT_POST_SCALE_MAX_MB // POST_SCALE up to this many token tiles (dev/build_variant.sh)
-#define KBIT_POST_SCALE_MAX_MB 1
-#endif
+    // POST_SCALE: the block scale is applied in fp32 after the MMA (per block: 2 MMAs into a zeroed fragment, then 4
+    // FFMA per token tile) instead of one HMUL2 per pair (16 per block). Kept for k = 3 only.
 
     // BLOCK_COLUMNS (M = 1, one-tile shared-A configs): block b of a k-step is multiplied into token column b
     // (section 3), the scale applied per k-step in fp32
     static constexpr bool BLOCK_COLUMNS = BLOCK_COLUMNS_;
     static_assert(!BLOCK_COLUMNS_ || (SHARED_A_ && MB_ == 1), "block columns: one token tile, shared A");
-    static constexpr bool POST_SCALE = !BLOCK_COLUMNS && MB <= KBIT_POST_SCALE_MAX_MB && K_BITS == 3;
+    static constexpr bool POST_SCALE = !BLOCK_COLUMNS && MB <= 1 && K_BITS == 3;
     // E4M4 and POST_SCALE: the scale is the code's bits << 19 as an fp32 (= absmax * 2^-116, exact,
     // subnormals included), the LUT holds codebook * 16, so acc = C * 2^-112 until the store
     static constexpr float OUT_FACTOR = ABS_U8 && (POST_SCALE || BLOCK_COLUMNS) ? 5.192296858534828e33f : 1.0f; // 2^112
@@ -763,31 +549,15 @@ struct KbitGemmParams {
     int l2_prefetch_steps;  // shared-A configs: k-steps of each warp's split prefetched into L2 before the PDL wait
 };
 
-// build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES.
-// The codebook sits one entry per lane (read with shfl); each thread computes its entry once (2 shuffles, 4 for a
-// quad) and writes 16 bytes (4 pair copies, or 2 quad copies) per store. The build is part of every call's fixed
-// cost: built twice (KBIT_PROBE_LUT_TWICE), H100, M = 1, us, 14336 x 4096 / 8192 x 8192 k = 2 10.7 / 11.6 -> 11.5 /
-// 12.7, k = 5 16.6 / 18.0 -> 18.1 / 19.5. Computing every 16-byte chunk's entry anew (4 quad shuffles per store, 32
-// per thread at k = 2) took, against once per entry: k = 2, M = 1 / 16, 8192 x 8192 11.6 / 15.4 -> 10.8 / 15.2,
-// 2048 x 4096 5.4 / 5.7 -> 5.1 / 5.6, 14336 x 4096 10.7 / 14.0 -> 10.5 / 13.7; k = 3..5 within 1% on geometric mean.
-// The per-warp configs (0, 1) keep the chunk-wise build: with one entry per thread config 0 on 1024 x 4096 at k = 5
-// ran 5.2-5.3 -> 5.5-5.7 us at M = 1 (H100 probe) and 5.4 -> 6.5 at M = 2 (benchmark), k = 2 M = 1 4.4 -> 4.4-4.8.
-// The lane's codebook entry (0 past the end). The one-token-tile kernels and the wgmma kernel load it before
-// their first weight loads (EARLY_CODEBOOK): issued after them it waited behind the prologue's DRAM reads
-// (ncu, H100, 14336 x 4096 M = 1 k = 4: 21% of the warp-stall samples sat on its first use; H100, us, M = 1
-// 14336 x 4096 k = 2 14.3 -> 13.5, 8192 x 8192 14.7 -> 14.0). Config 3 (M <= 16) keeps the late load:
-// early, ptxas rematerialized a thread index in its loop and 28672 x 8192 M = 16 ran 9-14% slower.
-// The load is predicated, and ptxas multiplies the entry by the LUT factor right after it, so each warp waits for
-// the codebook before it issues A and its weights: the L2 prefetch of the first k-steps gets that head start. An
-// unpredicated load (select and multiply in build_lut) issues them at once and was 5-10% slower (H100, M = 1, us:
-// 4096 x 14336 k = 3 13.2 -> 14.0, 8192 x 8192 k = 4 16.0 -> 17.5; docs/kernel.md "The codebook wait"). Nothing in
-// the source asks for that order: an unrelated epilogue change made ptxas sink the multiply below the weight loads in
-// config 8 (4096 x 14336 M = 1 k = 4 13.9 -> 16.0 us). dev/check_codebook_order.py checks a build for it.
+// build the duplicated LUT: entry e (all copies) at byte e << LUT_STRIDE_LOG2, copy c at + c * LUT_ENTRY_BYTES. The
+// codebook sits one entry per lane (read with shfl); each thread computes its entry once (2 shuffles, 4 for a quad)
+// and writes 16 bytes (4 pair copies, or 2 quad copies) per store. The lane's codebook entry (0 past the end). Config
+// 3 (M <= 16) keeps the late load: early, ptxas rematerialized a thread index in its loop and 28672 x 8192 M = 16 ran
+// 9-14% slower. The load is predicated, and ptxas multiplies the entry by the LUT factor right after it, so each warp
+// waits for the codebook before it issues A and its weights: the L2 prefetch of the first k-steps gets that head
+// start. An unpredicated load (select and multiply in build_lut) issues them at once and was 5-10% slower.
 __device__ __forceinline__ float load_codebook_entry(const KbitGemmParams& p) {
     const int lane = threadIdx.x % 32;
-#ifdef KBIT_PROBE_CODEBOOK_CONST // timing probe only: no codebook read (as if it came by value; wrong values)
-    return lane < p.codebook_len ? 0.125f * (float)(lane - p.codebook_len / 2) : 0.0f;
-#endif
     return lane < p.codebook_len ? __ldg(p.codebook + lane) : 0.0f;
 }
 
@@ -811,10 +581,6 @@ __device__ void build_lut(uint32_t* s_lut, float cb_entry, const KbitGemmParams&
             return make_uint4(pv, pv, pv, pv);
         }
     };
-#ifdef KBIT_PROBE_LUT_TWICE // timing probe only: the table built twice (the cost of one build)
-    for (int rep = 0; rep < 2; rep++) {
-        asm volatile("" ::: "memory");
-#endif
     if constexpr (!Cfg::LUT_BUILD_BY_ENTRY) { // each 16-byte chunk computes its entry (per-warp configs, below)
         constexpr int CHUNKS = Cfg::LUT_WORDS / 4;
         static_assert(CHUNKS % 32 == 0 && Cfg::THREADS % 32 == 0, "a warp's lanes all run the last round or none");
@@ -850,9 +616,6 @@ __device__ void build_lut(uint32_t* s_lut, float cb_entry, const KbitGemmParams&
             }
         }
     }
-#ifdef KBIT_PROBE_LUT_TWICE
-    }
-#endif
 }
 
 // Per-lane global read positions of one warp's stream, advanced by one k-step per call (pointer
@@ -872,18 +635,7 @@ template <class Cfg> struct StreamCursor {
         for (int mt = 0; mt < Cfg::MT; mt++) {
             const int n16 = n16_base + mt;
             valid_mt |= (n16 < p.n16_tiles ? 1u : 0u) << mt;
-#ifdef KBIT_PROBE_UNIT_GROUP // timing probe only: the units of KBIT_PROBE_UNIT_GROUP rows side by side per k-step
-            // (a permutation of the same bytes where n16_tiles is a multiple of the group; wrong values)
-            constexpr int G = KBIT_PROBE_UNIT_GROUP;
-            const int n16c = min(n16, p.n16_tiles - 1);
-            const long long unit = ((long long)(n16c / G) * p.k_steps + kstep) * G + n16c % G;
-#else
-#ifdef KBIT_PROBE_L2_WEIGHTS // timing probe only: units mod KBIT_PROBE_L2_WEIGHTS, a weight slice the L2 holds
-            const long long unit = (long long)(min(n16, p.n16_tiles - 1) % KBIT_PROBE_L2_WEIGHTS) * p.k_steps + kstep;
-#else
             const long long unit = (long long)min(n16, p.n16_tiles - 1) * p.k_steps + kstep;
-#endif
-#endif
             g_w[mt] = p.B + unit * F::UNIT_WORDS + lane * 4;
             g_abs[mt] = reinterpret_cast<const char*>(p.B_absmax) +
                         (unit * UNIT_ABSMAX + (lane / 4) * 8) * (Cfg::ABS_U8 ? 1 : 2);
@@ -897,13 +649,8 @@ template <class Cfg> struct StreamCursor {
     __device__ __forceinline__ void advance() {
 #pragma unroll
         for (int mt = 0; mt < Cfg::MT; mt++) {
-#ifdef KBIT_PROBE_UNIT_GROUP
-            g_w[mt] += Cfg::Fmt::UNIT_WORDS * KBIT_PROBE_UNIT_GROUP;
-            g_abs[mt] += UNIT_ABSMAX * (Cfg::ABS_U8 ? 1 : 2) * KBIT_PROBE_UNIT_GROUP;
-#else
             g_w[mt] += Cfg::Fmt::UNIT_WORDS;
             g_abs[mt] += UNIT_ABSMAX * (Cfg::ABS_U8 ? 1 : 2);
-#endif
         }
         g_a += UNIT_K;
         k_a += UNIT_K;
@@ -981,10 +728,7 @@ __device__ __forceinline__ void quad_transpose_words(uint4& v, int t) {
 
 // A_IN_RING == false: A of one k-step straight into registers (L1 shared by the warps): 16-byte chunk t (k 8t..8t+7)
 // of each block of token g; quad_transpose_words then makes them the B fragments (words at k 8j + 2t, j = 0..3), as
-// ldmatrix_b_frags would give them. H100, us, against four 4-byte loads per block (M = 16, k = 2 / 4): 1024 x 4096
-// 6.9 / 7.1 -> 6.5 / 6.8, 2048 x 4096 9.2 / 9.7 -> 8.2 / 8.9; the same through a per-warp shared buffer and ldmatrix
-// was as fast (6.4 / 6.8, 8.1 / 8.9) for 32 KB of shared memory. The permuted layout before (one 16-byte load, used as
-// it came) took 6.3 / 6.5 and 7.8 / 8.4: these small weights at 5-16 tokens lost 3-6% with it.
+// ldmatrix_b_frags would give them.
 template <class Cfg>
 __device__ __forceinline__ void load_a_registers(uint4 (&r_a)[UNIT_BLOCKS][Cfg::MB], const KbitGemmParams& p,
                                                  int m_base, int kstep, int lane) {
@@ -1154,14 +898,9 @@ __device__ __forceinline__ float scale_f32(const uint32_t (&r_abs)[Cfg::ABS_BYTE
 // quad LUT byte address of quad R = 2u + h of a lane (k = 2: pairs 4u + 2h, + 1): byte R % 4 of lo word R / 4
 template <class Cfg, int R> __device__ __forceinline__ uint32_t quad_lut_addr(const uint32_t* r_w, uint32_t lane_off) {
     constexpr int LS = Cfg::LUT_STRIDE_LOG2;
-#ifdef KBIT_PROBE_QUAD_ONE_OP // timing probe only: one LOP3 per quad address, no shift (wrong values; a distinct
-                              // in-table address per quad, so nothing folds): what a one-instruction address saves
-    return (r_w[R / 4] & ((0xFFu << LS) & ~((uint32_t)(R % 4) << LS))) | lane_off;
-#else
     constexpr int SH = 8 * (R % 4) - LS;
     const uint32_t w = r_w[R / 4];
     return ((SH >= 0 ? w >> (SH >= 0 ? SH : 0) : w << (SH < 0 ? -SH : 0)) & (0xFFu << LS)) | lane_off;
-#endif
 }
 
 // the unscaled A-operand fragment (codebook values, times the LUT factor) of MMA u = 2*blk + s of a unit
@@ -1169,14 +908,8 @@ template <class Cfg, int U>
 __device__ __forceinline__ void lookup_frag_a(uint32_t (&frag_a)[4], const uint32_t* r_w, uint32_t s_lut,
                                               uint32_t lane_off) {
     if constexpr (Cfg::QUAD_LUT) { // quad 2U + h = registers 2h, 2h + 1: consecutive, no moves for the MMA
-#ifdef KBIT_PROBE_NO_TABLE // timing probe only: the table addresses as the fragment (no LDS, wrong values)
-        const uint32_t x0 = quad_lut_addr<Cfg, 2 * U>(r_w, lane_off), x1 = quad_lut_addr<Cfg, 2 * U + 1>(r_w, lane_off);
-        const uint2 q0 = make_uint2(x0, x0 ^ 0x3c003c00u), q1 = make_uint2(x1, x1 ^ 0x3c003c00u);
-        (void)s_lut;
-#else
         const uint2 q0 = lds64(s_lut + quad_lut_addr<Cfg, 2 * U>(r_w, lane_off));
         const uint2 q1 = lds64(s_lut + quad_lut_addr<Cfg, 2 * U + 1>(r_w, lane_off));
-#endif
         frag_a[0] = q0.x;
         frag_a[1] = q0.y;
         frag_a[2] = q1.x;
@@ -1196,16 +929,12 @@ __device__ __forceinline__ void dequant_block(uint32_t (&frag0)[4], uint32_t (&f
                                               uint32_t lane_off) {
     lookup_frag_a<Cfg, 2 * BLK>(frag0, r_w, s_lut, lane_off);
     lookup_frag_a<Cfg, 2 * BLK + 1>(frag1, r_w, s_lut, lane_off);
-#ifdef KBIT_PROBE_NO_SCALE // timing probe only: the fragments stay unscaled (wrong values): the scales' cost
-    (void)r_abs;
-#else
     const uint32_t sc_g = scale_pair<Cfg, T>(r_abs, BLK), sc_g8 = scale_pair<Cfg, T>(r_abs, 4 + BLK);
 #pragma unroll
     for (int j = 0; j < 4; j++) { // register j: row g (j even) or g + 8 (j odd)
         frag0[j] = Pack2<T>::mul(frag0[j], (j & 1) ? sc_g8 : sc_g);
         frag1[j] = Pack2<T>::mul(frag1[j], (j & 1) ? sc_g8 : sc_g);
     }
-#endif
 }
 
 // dequant + MMAs of quantization block BLK (MMAs u = 2 BLK, 2 BLK + 1) of one unit, for MB token tiles
@@ -1233,16 +962,8 @@ __device__ __forceinline__ void block_mma(float (&acc)[Cfg::MB][4], const uint32
         dequant_block<Cfg, T, BLK>(frag0, frag1, r_w, r_abs, s_lut, lane_off);
 #pragma unroll
         for (int mb = 0; mb < Cfg::MB; mb++) {
-#ifdef KBIT_PROBE_F16_ACC // timing probe only: fp16 accumulators in acc[mb][0..1], never flushed (wrong values)
-            uint32_t* h = reinterpret_cast<uint32_t*>(acc[mb]);
-            asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};\n"
-                : "+r"(h[0]), "+r"(h[1]) : "r"(frag0[0]), "r"(frag0[1]), "r"(frag0[2]), "r"(frag0[3]), "r"(r_b[mb].x), "r"(r_b[mb].y));
-            asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};\n"
-                : "+r"(h[0]), "+r"(h[1]) : "r"(frag1[0]), "r"(frag1[1]), "r"(frag1[2]), "r"(frag1[3]), "r"(r_b[mb].z), "r"(r_b[mb].w));
-#else
             mma_m16n8k16(acc[mb], frag0, r_b[mb].x, r_b[mb].y, T());
             mma_m16n8k16(acc[mb], frag1, r_b[mb].z, r_b[mb].w, T());
-#endif
         }
     }
 }
@@ -1300,16 +1021,11 @@ __device__ __forceinline__ void store_output(const float (&acc)[Cfg::MT][Cfg::MB
 }
 
 // One token (BLOCK_COLUMNS, after fold_block_columns): the live sums of row group g (unit mt, rows g and g + 8:
-// acc[mt][0][0] and [2]) sit in every lane of quad g. With ONE_TOKEN_COMPACT_SLOT_MIN_SPLITS splits or more, lane t of
-// the quad carries value t (unit t / 2, rows g + 8 (t % 2)) through the split-K slots: a CTA's slot is one float per
-// lane instead of the whole fragment (8), and the last CTA loads one float per lane and split instead of 8. H100, us,
-// M = 1, k = 2 / 3 / 4, fragment -> one float: 2048 x 14336 (14 splits) 7.5 / 8.6 / 9.1 -> 6.8 / 8.0 / 8.4, 5120 x
-// 13824 (6) 10.9 / 14.2 / 15.5 -> 10.6-10.9 / 14.0 / 15.2, 4096 x 14336 (8) 9.4 / 11.9 / 13.0 -> 9.3 / 11.8 / 12.9;
-// with 4 splits as fast or slower (14336 x 4096, config 10, k = 3 / 4: 12.2 / 12.9 -> 12.6 / 13.2; cause not found).
-// MT = 2 (configs 2, 8, 10, 12).
-#ifndef ONE_TOKEN_COMPACT_SLOT_MIN_SPLITS
-#define ONE_TOKEN_COMPACT_SLOT_MIN_SPLITS 6
-#endif
+// acc[mt][0][0] and [2]) sit in every lane of quad g. With COMPACT_SLOT_MIN_SPLITS splits or more, lane t of the quad
+// carries value t (unit t / 2, rows g + 8 (t % 2)) through the split-K slots: a CTA's slot is one float per lane
+// instead of the whole fragment (8), and the last CTA loads one float per lane and split instead of 8. MT = 2 (configs
+// 2, 8, 10, 12).
+constexpr int COMPACT_SLOT_MIN_SPLITS = 6; // one-token split-K slots of one float per lane from this many splits
 template <class Cfg> __device__ __forceinline__ float one_token_slot_value(const float (&acc)[Cfg::MT][Cfg::MB][4], int lane) {
     static_assert(Cfg::MT == 2 && Cfg::MB == 1, "four live values per quad");
     const int t = lane % 4;
@@ -1341,7 +1057,7 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
     constexpr int F = Cfg::ACC_FLOATS;
     if (split < 0) split = blockIdx.y, n_splits = p.k_splits;
     const long long slot_base = (long long)tile_id * n_splits * Cfg::TILE_FLOATS;
-    const bool compact = Cfg::BLOCK_COLUMNS && n_splits >= ONE_TOKEN_COMPACT_SLOT_MIN_SPLITS; // one float per lane
+    const bool compact = Cfg::BLOCK_COLUMNS && n_splits >= COMPACT_SLOT_MIN_SPLITS; // one float per lane
     if (is_writer) {
         float* g_slot = p.partials + slot_base + (long long)split * Cfg::TILE_FLOATS + wn * F * 32;
         bool stored = false;
@@ -1358,25 +1074,15 @@ __device__ __forceinline__ bool reduce_split_k(float (&acc)[Cfg::MT][Cfg::MB][4]
                         __stcg(g_slot + ((mt * Cfg::MB + mb) * 4 + r) * 32 + lane, acc[mt][mb][r]);
         }
     }
-#ifdef KBIT_PROBE_SPLITK_STORE_ONLY // timing probe only: slot stores, no barrier, counter or reads; split 0 stores C
-    return split == 0;
-#endif
     sync(); // the CTA's slot stores happen before thread 0's release below
     if (threadIdx.x == 0) {
-#ifdef KBIT_PROBE_SPLITK_RELAXED_ATOMIC // timing probe only: no fence around the counter (unordered slot reads)
-        const int prev = atomicAdd(p.counters + tile_id, 1);
-#else
         const int prev = atomic_add_acq_rel_gpu(p.counters + tile_id, 1); // release our slot, acquire the others'
-#endif
         const int last = prev == n_splits - 1;
         if (last) p.counters[tile_id] = 0; // self-reset for the next call (kernel boundaries order it)
         *s_flag = last;
     }
     sync(); // thread 0's acquire happens before every thread's slot reads
     if (!*s_flag) return false;
-#ifdef KBIT_PROBE_SPLITK_NO_READS // timing probe only: the last CTA stores its own partial as C
-    return true;
-#endif
     if (readers > 1 || is_writer) {
         // readers > 1: the warps along k of a row split the slots, reader r the r-th contiguous share, to be summed
         // in reader order by the caller (reduce_warps_k): each warp's loads then leave in one batch
@@ -1587,31 +1293,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 // ring (W_REG_STAGES, section 4).
 // ---------------------------------------------------------------------------------------------
 // k-steps of weights in flight in registers at MB = 1 (0: the smem ring): 2, but 3 for k = 2 with one warp along k
-// (configs 2, 10). H100, M = 1, back to back, us, 3 -> 2 deep, k = 2 / 3 / 4 / 5: 4096 x 14336 (config 8) 11.3 / 13.2 /
-// 14.8 / 18.7 -> 10.9 / 12.4 / 13.9 / 17.4; 14336 x 4096 (config 10) 11.3 / 13.2 / 14.6 / 17.4 -> 11.5 /
-// 12.6 / 13.8 / 16.7; 8192 x 8192 12.1 / 14.1 / 15.9 / 19.6 -> 12.3 / 13.5 / 15.4 / 18.8; 28672 x 8192 33.5 / 41.6 / 46.9
-// / 57.9 -> 33.7 / 39.8 / 46.3 / 55.7; 4096 x 4096 (config 8) 5.8 / 6.6 / 7.0 -> 5.9-6.0 / 6.3 / 7.0
-#ifndef KBIT_W_REG_STAGES_MB1
-#define KBIT_W_REG_STAGES_MB1 2
-#endif
-#ifndef KBIT_W_REG_STAGES_MB1_K2_WK1
-#define KBIT_W_REG_STAGES_MB1_K2_WK1 3
-#endif
-#ifndef KBIT_W_REG_STAGES_MB2
-#define KBIT_W_REG_STAGES_MB2 2
-#endif
-#ifndef KBIT_W_REG_STAGES_MB2_K2
-#define KBIT_W_REG_STAGES_MB2_K2 KBIT_W_REG_STAGES_MB2
-#endif
-#ifndef KBIT_W_REG_STAGES_MB4
-#define KBIT_W_REG_STAGES_MB4 0
-#endif
-#ifndef KBIT_A_STEPS_PER_BARRIER // register-weight configs: k-steps of A per CTA barrier (1: a barrier per k-step)
-#define KBIT_A_STEPS_PER_BARRIER 2
-#endif
-#ifndef KBIT_A_STAGES_REG // register-weight configs: k-steps of A in the shared ring (a multiple of the above, >= 2x)
-#define KBIT_A_STAGES_REG 4
-#endif
+// (configs 2, 10).
 template <int K_BITS_, int MB_, int MT_, int CTAS_PER_SM_, bool ABS_U8_, int WARPS_K_ = 1, int WARPS_N_ = 8 / WARPS_K_,
           bool BLOCK_COLUMNS_ = false>
 struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_, ABS_U8_, true, BLOCK_COLUMNS_> {
@@ -1628,11 +1310,7 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
     static constexpr int W_STAGE_WORDS = Base::STAGE_W_WORDS + Base::STAGE_ABS_WORDS; // per warp
     // W_REG_STAGES > 0: the weights skip shared memory; each lane loads its own words (ld.global.nc) into a
     // register ring that many k-steps deep (section 4) and the smem ring holds only A
-    static constexpr int W_REG_STAGES = MB_ == 1   ? (K_BITS_ == 2 && WARPS_K_ == 1 ? KBIT_W_REG_STAGES_MB1_K2_WK1
-                                                                                 : KBIT_W_REG_STAGES_MB1)
-                                        : MB_ == 2 ? (K_BITS_ == 2 ? KBIT_W_REG_STAGES_MB2_K2 : KBIT_W_REG_STAGES_MB2)
-                                        : MB_ == 4 ? KBIT_W_REG_STAGES_MB4
-                                                   : 0;
+    static constexpr int W_REG_STAGES = MB_ == 1 ? (K_BITS_ == 2 && WARPS_K_ == 1 ? 3 : 2) : MB_ == 2 ? 2 : 0;
     static_assert(WARPS_K_ == 1 || W_REG_STAGES > 0, "warps along k only with the weights in registers");
     static constexpr int W_SMEM_STAGE_WORDS = W_REG_STAGES > 0 ? 0 : W_STAGE_WORDS;
     static constexpr int SHARED_A_CTAS_PER_SM = CTAS_PER_SM_;
@@ -1642,9 +1320,8 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
         (SHARED_A_BUDGET_BYTES / 4 - Base::LUT_WORDS) / (A_STAGE_WORDS + Base::WARPS * W_SMEM_STAGE_WORDS);
     // the register-weight configs refill A P CTA steps at a time, one barrier per P steps (section 4), where
     // two refills fit (wide A slots of WARPS_K k-steps may not: then a barrier per step)
-    static constexpr int A_STEPS_PER_BARRIER =
-        W_REG_STAGES > 0 && SHARED_A_STAGES_FIT >= 2 * KBIT_A_STEPS_PER_BARRIER ? KBIT_A_STEPS_PER_BARRIER : 1;
-    static constexpr int STAGES_CAP = W_REG_STAGES > 0 ? KBIT_A_STAGES_REG : 4;
+    static constexpr int A_STEPS_PER_BARRIER = W_REG_STAGES > 0 && SHARED_A_STAGES_FIT >= 2 * 2 ? 2 : 1;
+    static constexpr int STAGES_CAP = 4;
     static constexpr int SHARED_A_STAGES =
         (SHARED_A_STAGES_FIT > STAGES_CAP ? STAGES_CAP : SHARED_A_STAGES_FIT) / A_STEPS_PER_BARRIER * A_STEPS_PER_BARRIER;
     static_assert(SHARED_A_STAGES % A_STEPS_PER_BARRIER == 0 && SHARED_A_STAGES >= 2 * A_STEPS_PER_BARRIER,
@@ -1662,17 +1339,10 @@ struct KbitSharedAConfig : KbitGemmConfig<K_BITS_, MB_, MT_, WARPS_N_, WARPS_K_,
     static constexpr int A_CHUNKS_PER_THREAD = (A_CHUNKS + Base::THREADS - 1) / Base::THREADS;
     // the last round of a tile's chunks leaves threads idle where THREADS does not divide A_CHUNKS (7-warp CTAs)
     static constexpr bool A_CHUNKS_RAGGED = A_CHUNKS % Base::THREADS != 0;
-    // Two token tiles (configs 3, 9): each lane's codebook entry is the kernel's first copy (cp.async, 4 bytes,
-    // into its warp's 128 bytes of the last A slot, which the prefill leaves free until the loop's first refill),
-    // and A's prefill goes out before the weights. Loaded into a register after the weight loads, as before, the
-    // codebook waited behind them: per-CTA %globaltimer marks (dev/probe_timeline.py, H100) had 2.3-3.3 us from
-    // entry to the built LUT at M = 16 against 1.1 at M = 1, where one tile's kernels load it first into a register
-    // (in config 3 that register made ptxas rematerialize a thread index in the loop: 9-14% slower). H100, us, M = 16,
-    // k = 2 / 3 / 4 / 5, paths interleaved, two rounds: 14336 x 4096 16.3 / 17.8 / 19.0 / 23.0 -> 15.5 / 17.4 / 18.3
-    // / 22.4; 4096 x 14336 16.8 / 18.8 / 20.1 / 24.1 -> 15.7 / 17.9 / 19.1 / 24.1; 8192 x 8192 17.2 / 19.6 / 20.9 /
-    // 24.9 -> 16.5 / 18.4 / 20.0 / 23.6; 28672 x 8192 44.7 / 55.3 / 58.1 / 71.0 -> 44.4 / 54.3 / 57.9 / 69.6. The
-    // codebook alone by cp.async, A still after the weights, had A's first wait grow by as much (k = 3 slower). For
-    // one token tile the cp.async codebook was -3..+5% (4096 x 14336 k = 3 14.9 -> 15.6): kept in a register.
+    // Two token tiles (configs 3, 9): each lane's codebook entry is the kernel's first copy (cp.async, 4 bytes, into
+    // its warp's 128 bytes of the last A slot, which the prefill leaves free until the loop's first refill), and A's
+    // prefill goes out before the weights. The codebook alone by cp.async, A still after the weights, had A's first
+    // wait grow by as much (k = 3 slower).
     static constexpr bool CODEBOOK_BY_CP_ASYNC = MB_ == 2 && W_REG_STAGES > 0;
     static_assert(!CODEBOOK_BY_CP_ASYNC || Base::WARPS * 128 <= 4 * A_STAGE_WORDS,
                   "the codebook copies fit the last A slot, which the prefill (S - P slots) leaves free");
@@ -1744,11 +1414,7 @@ __device__ __forceinline__ void compute_units_shared_a(float (&acc)[Cfg::MT][Cfg
                                                        const uint32_t (&r_abs)[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4],
                                                        uint32_t s_a, const uint32_t (&a_off)[Cfg::MB], uint32_t s_lut,
                                                        uint32_t lane_off) {
-#ifdef KBIT_PROBE_ONE_LDMATRIX // timing probe only: every block reads block 0's token fragments (wrong values)
-    constexpr uint32_t A_BLOCK_BYTES = 0;
-#else
     constexpr uint32_t A_BLOCK_BYTES = 2 * BLOCK_ELEMS; // a quantization block of one token row
-#endif
 #define KBIT_SHARED_A_BLOCK(BLK)                                                                                    \
     {                                                                                                           \
         uint4 r_b[Cfg::MB];                                                                                     \
@@ -1850,10 +1516,9 @@ __device__ __forceinline__ void load_units_to_regs(StepWeightRegs<Cfg>& r, const
     using F = typename Cfg::Fmt;
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++) {
-        // One token tile loads absent units (n16 >= n16_tiles) too: their pointer is clamped to the last unit row, and the
-        // unpredicated loads let ptxas use the cursor registers as they are (the skip cost 2 moves per pointer and k-step).
-        // H100, M = 1, k = 2, us, two processes each: 4096 x 14336 10.4 -> 10.1-10.2, 28672 x 8192 31.1-31.2 -> 29.7-29.8;
-        // two token tiles were up to 1.4% slower without the skip (docs/kernel.md, "The absent-unit skip").
+        // One token tile loads absent units (n16 >= n16_tiles) too: their pointer is clamped to the last unit row, and
+        // the unpredicated loads let ptxas use the cursor registers as they are (the skip cost 2 moves per pointer and
+        // k-step).
         if (Cfg::MB > 1 && !((cur.valid_mt >> mt) & 1)) continue; // warp-uniform; stale registers only feed unstored rows
 #pragma unroll
         for (int c = 0; c < F::NV4; c++) ldg_stream_v4(&r.w[mt][4 * c], cur.g_w[mt] + c * 128);
@@ -1887,46 +1552,22 @@ __device__ __forceinline__ void shared_a_loop_smem_ring(float (&acc)[Cfg::MT][Cf
         cp_async_wait<S - 2>(); // step i landed (this thread's copies) ...
         __syncthreads();        // ... everyone's, and everyone is done with step i-1's slot (and the LUT)
         const int st_load = (i + S - 1) % S;
-#ifdef KBIT_PROBE_NO_LOADS // timing probe only (section 7): compute on stale ring data
-        if (false) {
-#else
         if (i + S - 1 < n_steps) {
-#endif
             load_stage_async<Cfg>(s_w_ring + 4 * st_load * Cfg::W_STAGE_WORDS, cur, lane);
             load_a_shared_async<Cfg>(s_a_ring + 4 * st_load * Cfg::A_STAGE_WORDS, p, m_base, k_begin + i + S - 1);
             cur.advance();
         }
         cp_async_commit();
         const int st = i % S;
-#ifndef KBIT_PROBE_NO_COMPUTE // timing probe only (section 7): copies without the dequant/MMA
         uint32_t r_w[Cfg::MT][Cfg::Fmt::LANE_WORDS];
         uint32_t r_abs[Cfg::MT][Cfg::ABS_BYTES_PER_LANE / 4];
 #pragma unroll
         for (int mt = 0; mt < Cfg::MT; mt++)
             read_unit_from_stage<Cfg>(r_w[mt], r_abs[mt], s_w_ring + 4 * st * Cfg::W_STAGE_WORDS, mt, lane);
         compute_units_shared_a<Cfg, T>(acc, r_w, r_abs, s_a_ring + 4 * st * Cfg::A_STAGE_WORDS, a_off, s_lut, lane_off);
-#endif
     }
 }
 
-#ifdef KBIT_PROBE_TIMELINE // timing probe only (dev/probe_timeline.py): %globaltimer at points of each CTA
-__device__ unsigned long long g_kbit_timeline[16 * 65536]; // [CTA][16]: marks 0-6, 8-9; the SM in 7
-__device__ __forceinline__ void timeline_mark(int j) {
-    if (threadIdx.x != 0) return;
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    if (cta < 65536) g_kbit_timeline[16 * cta + j] = t;
-    if (j == 0) {
-        unsigned smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        if (cta < 65536) g_kbit_timeline[16 * cta + 7] = smid;
-    }
-}
-#define KBIT_TIMELINE(j) timeline_mark(j)
-#else
-#define KBIT_TIMELINE(j)
-#endif
 
 // the k-loop with the weights in registers (W_REG_STAGES = D): the loads of step i+D are issued right
 // after step i's compute, into the registers it just used, so D k-steps of weights are in flight per
@@ -1952,9 +1593,7 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             if (st % P == P - 1) cp_async_commit();
         }
     };
-    // A's few hundred bytes go out before the weights, so their first wait is not queued behind the weight
-    // loads (H100, M = 1, us: 14336 x 4096 k = 4 16.8 -> 16.2, k = 5 24.4 -> 23.3; 28672 x 8192 k = 5 76.0 ->
-    // 74.0). With two token tiles this pays only with the codebook copied first (CODEBOOK_BY_CP_ASYNC).
+    // With two token tiles this pays only with the codebook copied first (CODEBOOK_BY_CP_ASYNC).
     prefill_a();
     StepWeightRegs<Cfg> ring[D] = {}; // zeroed: slots of absent units (rows >= N) are never loaded
 #pragma unroll
@@ -1965,15 +1604,10 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
         }
     if constexpr (Cfg::CODEBOOK_BY_CP_ASYNC) { // the kernel's first copy group: all but the A prefill's
         cp_async_wait<(S - P) / P>();
-#ifdef KBIT_PROBE_CODEBOOK_CONST // timing probe only: no codebook copy (its group stays, empty)
-        build_lut<Cfg, T, true>(s_lut_ptr, load_codebook_entry(p), p);
-#else
         build_lut<Cfg, T, true>(s_lut_ptr, __uint_as_float(lds32(codebook_slot<Cfg>(s_a_ring))), p);
-#endif
     } else {
         build_lut<Cfg, T, Cfg::MB == 1>(s_lut_ptr, cb_entry, p);
     }
-    KBIT_TIMELINE(1);
 
     for (int i0 = 0; i0 < n_steps; i0 += D) {
 #pragma unroll
@@ -1983,26 +1617,17 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             if (i % P == 0) {
                 cp_async_wait<S / P - 2>(); // A of steps i .. i+P-1 landed (this thread's copies) ...
                 __syncthreads(); // ... everyone's, and everyone is done with steps i-P .. i-1 (and the LUT)
-                if (i == 0) KBIT_TIMELINE(2);
 #pragma unroll
                 for (int q = 0; q < P; q++) { // steps i+S-P .. i+S-1 into the slots of i-P .. i-1
                     const int st = i + S - P + q;
-#ifdef KBIT_PROBE_NO_A_REFILL // timing probe only: the loop computes on the prefill's A (wrong values)
-                    if (false)
-#else
                     if (st < n_steps)
-#endif
                         load_a_shared_async<Cfg>(s_a_ring + 4 * (st % S) * Cfg::A_STAGE_WORDS, p, m_base, k_begin + st,
                                                  n_steps, k_end);
                 }
                 cp_async_commit();
             }
-            // every load of this CTA is issued: the next GEMM may launch (PDL) while the last step computes. H100,
-            // M = 1, us, after the k-loop -> here, back to back: 4096 x 4096 k = 3 7.3 -> 6.6, 4096 x 14336 13.4 /
-            // 13.7 -> 13.3 / 13.3; the rest within 0.2 (k = 2, 3 of 14336 x 4096, M = 16, after an elementwise
-            // kernel). 3 steps before the end: as fast at M = 1, 4096 x 14336 M = 16 17.3 -> 17.6.
+            // every load of this CTA is issued: the next GEMM may launch (PDL) while the last step computes.
             if (i == n_steps - 1) allow_dependent_launch();
-#ifndef KBIT_PROBE_NO_COMPUTE
             if constexpr (Cfg::BLOCK_COLUMNS)
                 compute_units_block_columns<Cfg, T>(acc, ring[d].w, ring[d].abs,
                                                     s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS, a_off[0], s_lut,
@@ -2010,14 +1635,10 @@ __device__ __forceinline__ void shared_a_loop_weight_regs(float (&acc)[Cfg::MT][
             else
                 compute_units_shared_a<Cfg, T>(acc, ring[d].w, ring[d].abs, s_a_ring + 4 * (i % S) * Cfg::A_STAGE_WORDS,
                                                a_off, s_lut, lane_off);
-#endif
-            if (i == 0) KBIT_TIMELINE(6);
-#ifndef KBIT_PROBE_NO_LOADS
             if (i + D < my_steps) {
                 load_units_to_regs<Cfg>(ring[d], cur, lane);
                 cur.advance();
             }
-#endif
         }
     }
 }
@@ -2031,9 +1652,6 @@ __device__ __forceinline__ void prefetch_warp_split_l2(const KbitGemmParams& p, 
     constexpr int ABS_ELEM_BYTES = Cfg::ABS_U8 ? 1 : 2;
     const int mt = lane % Cfg::MT, n16 = n16_base + mt;
     if (steps <= 0 || lane >= 2 * Cfg::MT || n16 >= p.n16_tiles) return;
-#ifdef KBIT_PROBE_UNIT_GROUP
-    return; // the probe's order is not the one prefetched here
-#endif
     const long long unit = (long long)n16 * p.k_steps + kstep;
     const char* g = lane < Cfg::MT ? reinterpret_cast<const char*>(p.B + unit * F::UNIT_WORDS)
                                    : reinterpret_cast<const char*>(p.B_absmax) + unit * UNIT_ABSMAX * ABS_ELEM_BYTES;
@@ -2044,7 +1662,6 @@ __device__ __forceinline__ void prefetch_warp_split_l2(const KbitGemmParams& p, 
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_gemm_shared_a_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint32_t s_mem[];
-    KBIT_TIMELINE(8);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int wn = Cfg::WARPS_K == 1 ? warp : warp % Cfg::WARPS_N, wk = Cfg::WARPS_K == 1 ? 0 : warp / Cfg::WARPS_N;
     const int n16_base = (blockIdx.x * Cfg::WARPS_N + wn) * Cfg::MT;
@@ -2064,18 +1681,13 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     if (p.l2_prefetch_steps > 0 && blockIdx.z == 0) // before the PDL wait: a hint, no value comes back
         prefetch_warp_split_l2<Cfg>(p, n16_base, k_begin + wk * n_steps, min(my_steps, p.l2_prefetch_steps), lane);
     grid_dependency_wait(); // PDL (kbit_gemm.cu): every read and write of this grid comes after the previous kernel
-    KBIT_TIMELINE(0);
     constexpr int S = Cfg::SHARED_A_STAGES;
     const float cb_entry = Cfg::MB == 1 ? load_codebook_entry(p) : 0.0f; // first: overlaps the prologue
     if constexpr (Cfg::CODEBOOK_BY_CP_ASYNC) {
         const uint32_t s_a_ring = (uint32_t)__cvta_generic_to_shared(s_mem) + 4 * Cfg::LUT_WORDS;
         const int l = threadIdx.x % 32;
-#ifndef KBIT_PROBE_CODEBOOK_CONST
         cp_async_4_zfill(codebook_slot<Cfg>(s_a_ring), p.codebook + (l < p.codebook_len ? l : 0),
                          l < p.codebook_len ? 4u : 0u);
-#else
-        (void)l;
-#endif
         cp_async_commit();
     }
     uint32_t* s_lut_ptr = s_mem;                                                 // [LUT_ENTRIES][LUT_COPIES]
@@ -2097,9 +1709,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     zero_acc<Cfg>(acc);
 
     StreamCursor<Cfg> cur;
-    // One token tile: the weight streams start after the codebook's round trip (7-17% faster at M = 1, docs/kernel.md
-    // "The codebook wait before the first loads"). ptxas chose that order by itself until an epilogue change moved
-    // it; a zero that depends on the loaded entry (codebook_len <= 32) makes it part of the weights' addresses.
+    // One token tile: the weight streams start after the codebook's round trip. ptxas chose that order by itself until
+    // an epilogue change moved it; a zero that depends on the loaded entry (codebook_len <= 32) makes it part of the
+    // weights' addresses.
     const int after_codebook = Cfg::MB == 1 ? (int)(__float_as_uint(cb_entry) & ((uint32_t)p.codebook_len >> 16)) : 0;
     cur.init(p, n16_base, m_base, k_begin + wk * n_steps + after_codebook, lane);
     if constexpr (Cfg::W_REG_STAGES > 0)
@@ -2112,7 +1724,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     if constexpr (Cfg::BLOCK_COLUMNS) fold_block_columns<Cfg>(acc);
     allow_dependent_launch(); // past its loads (the register loop allowed it at its last step already): the next GEMM
                               // may take the SM slots this grid's CTAs leave
-    KBIT_TIMELINE(3);
     if constexpr (WK > 1) { // the A ring is free once every warp is past its last step: sum the k warps there
         __syncthreads();
         reduce_warps_k<Cfg>(acc, reinterpret_cast<float*>(s_mem + Cfg::LUT_WORDS), wn, wk, lane);
@@ -2121,31 +1732,21 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::SHARED_A_CTAS_PER_SM) kbit_
     if (p.cluster_reduce) { // pairs of splits as 2-CTA clusters: the odd one pushes its partial into the even one
         if (!push_split_k<Cfg>(acc, (uint32_t)__cvta_generic_to_shared(s_mem) + Cfg::PUSH_RECV_OFFSET, s_push_bar_addr,
                                wn, wk == 0, lane)) {
-            KBIT_TIMELINE(9);
             return;
         }
         split /= 2, n_splits /= 2;
     }
-#ifdef KBIT_PROBE_NO_SPLITK_REDUCE // timing probe only: every split stores its partial as C (wrong values)
-    if (false) {
-#else
     if (n_splits > 1) { // M <= 256 with few n tiles: same deterministic slot reduction as configs 0-2
-#endif
         __syncthreads();
         const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
-#ifndef KBIT_SPLITK_SHARED_READS
-#define KBIT_SPLITK_SHARED_READS 1
-#endif
-        constexpr int READERS = KBIT_SPLITK_SHARED_READS && Cfg::MB >= 2 ? WK : 1;
+        constexpr int READERS = Cfg::MB >= 2 ? WK : 1;
         const bool last = reduce_split_k<Cfg>(acc, p, tile_id, wn, wk == 0, lane, &s_flag, CtaSync(), split, n_splits,
                                               READERS > 1 ? wk : 0, READERS);
-        KBIT_TIMELINE(4);
         if (!last) return;
         if constexpr (READERS > 1) // the slot barriers above ordered the first k-reduction's reads before this
             reduce_warps_k<Cfg>(acc, reinterpret_cast<float*>(s_mem + Cfg::LUT_WORDS), wn, wk, lane);
     }
     if (wk == 0) store_output<Cfg, T>(acc, p, n16_base * UNIT_ROWS, m_base, lane);
-    KBIT_TIMELINE(5);
 }
 
 } // namespace kbit

@@ -5,122 +5,51 @@
 // ============================================================================================
 // DESIGN
 // ============================================================================================
-// 1. What changes against the shared-A kernel: the MMA. Each warp still streams its own MT units
-//    (16 rows x 128 k of the tiled weight) through a private cp.async ring and dequantizes them with
-//    the pair/quad LUT into m16n8k16 A-operand fragments. Those fragments are exactly the per-warp
-//    slice of the register A operand of wgmma.mma_async.m64nNk16 (PTX ISA 9.7.15.5.1: warp w of the
-//    warpgroup holds rows 16w..16w+15 in the m16n8k16 A layout), so a warpgroup's 4 warps multiply
-//    their 4 x 16 rows by the token tile in one asynchronous instruction that reads the tokens
-//    (B operand, N = TOK) from shared memory. Against mma.sync: (a) the tokens are read once per
-//    warpgroup by the tensor core instead of by every warp through registers (the shared-A wide
-//    config read the whole A tile per warp per k-step: ~128 KB of the ~224 KB of shared-memory
-//    traffic per SM and k-step at M = 64), (b) the multiply runs while the warp dequantizes the next
-//    block, (c) one instruction per 64 x 64 x 16 instead of 32 mma.sync.
+// 1. What changes against the shared-A kernel: the MMA. Each warp still streams its own MT units through a private
+//    cp.async ring and dequantizes them with the pair/quad LUT into m16n8k16 A-operand fragments. Those fragments
+//    are exactly the per-warp slice of the register A operand of wgmma.mma_async.m64nNk16 (warp w of the warpgroup
+//    holds rows 16w..16w+15 in the m16n8k16 A layout), so a warpgroup's 4 warps multiply their 4 x 16 rows by the
+//    token tile in one asynchronous instruction that reads the tokens (B operand, N = TOK) from shared memory: the
+//    tokens are read once per warpgroup by the tensor core instead of by every warp, the multiply runs while the
+//    warp dequantizes the next block, and one instruction covers 64 x 64 x 16.
 //
-// 2. Tiles (config 6: TOK = 64 tokens, MT = 1 unit per warp, 16 warps = 4 warpgroups, 256 rows):
-//          tokens m:  0 ............ 63
-//        n   0  +----------------------+  warp 0  (WG 0) : unit n16_base + 0   \
-//           16  +----------------------+  warp 1  (WG 0) : unit n16_base + 1    | one wgmma m64n64k16 per
-//               |         ...          |                                        | k16 step: D[64 x 64] +=
-//           48  +----------------------+  warp 3  (WG 0)                       /  Wdeq[64 x 16] x tok[16 x 64]
-//               |         ...          |  warps 4..15 (WG 1..3)
-//          256  +----------------------+
-//    A wgmma of a warpgroup covers its 4 warps' units: the A rows of a wgmma need not be contiguous in W,
-//    each warp's 16 rows are whatever unit it dequantized. The D fragment of a warp is the m16n8k16 C
-//    fragment repeated over TOK / 8 token tiles, i.e. acc[MT][MB = TOK / 8][4] of the mma.sync kernels:
-//    their split-K reduction and store are reused. 128 registers per thread (512 threads, one CTA per SM).
+// 2. Tiles (config 6: TOK = 64 tokens, MT = 1 unit per warp, 16 warps = 4 warpgroups, 256 rows). The A rows of a
+//    wgmma need not be contiguous in W: each warp's 16 rows are whatever unit it dequantized. A warp's D fragment is
+//    the m16n8k16 C fragment repeated over TOK / 8 token tiles, i.e. acc[MT][MB = TOK / 8][4] of the mma.sync
+//    kernels, whose split-K reduction and store are reused. 128 registers per thread, one CTA per SM.
 //
-// 3. Token tile in shared memory: per k-step [2 halves: k 0..63, 64..127][TOK rows][128 B], 128-byte
-//    swizzle (16-byte chunk c of row r at chunk c ^ (r % 8); atoms 1024-aligned), K-major, one
-//    descriptor per k16 step (start + 32 B within the row, SBO = 1024). The tiled weight holds each lane's
-//    pairs at the k its register fragment slots stand for (kbit_gemm.cuh section 3), so the token rows are
-//    stored in their own k order and travel by 16-byte cp.async straight into the ring (2 per thread and k-step),
-//    W_STAGES - 1 k-steps ahead in the same commit groups as the weights. While the tiled weight permuted k inside
-//    each block, the tokens had to follow it word by word (4-byte cp.async, 8 per thread and k-step); H100, us, 4-byte
-//    -> 16-byte copies, k = 2 / 4 / 5: M = 64 14336 x 4096 25.1 / 27.4 / 36.4 -> 22.6 / 24.4 / 33.3, 28672 x 8192 87.3 /
-//    97.1 / 125.2 -> 76.5 / 90.1 / 115.3, 8192 x 8192 29.4 / 31.5 / 40.4 -> 27.1 / 29.1 / 36.9; M = 128 14336 x 4096 44.6
-//    / 49.4 / 63.3 -> 40.3 / 44.7 / 57.7 (two rounds, means; 4-12% at M = 33-128 on every shape). The ring has
-//    W_STAGES + 1 slots: the wgmmas of step i-1 may still read theirs while step i + W_STAGES - 1 lands.
+// 3. Token tile in shared memory: per k-step [2 halves: k 0..63, 64..127][TOK rows][128 B], 128-byte swizzle
+//    (16-byte chunk c of row r at chunk c ^ (r % 8); atoms 1024-aligned), K-major, one descriptor per k16 step
+//    (start + 32 B within the row, SBO = 1024). The tiled weight holds each lane's pairs at the k its fragment slots
+//    stand for, so token rows keep their own k order and travel by 16-byte cp.async straight into the ring,
+//    W_STAGES - 1 k-steps ahead in the same commit groups as the weights. The ring has W_STAGES + 1 slots: the
+//    wgmmas of step i-1 may still read theirs while step i + W_STAGES - 1 lands.
 //
-// 4. Synchronisation per k-step i: cp.async.wait (this thread's weights and tokens of step i),
-//    fence.proxy.async (its token words are seen by wgmma's async proxy), __syncthreads; copy step
-//    i + W_STAGES - 1 (weights into this warp's ring, tokens into slot (i - 2) % A_STAGES); then per block:
-//    wgmma.wait_group 3 (the group of the same block one k-step ago no longer reads its fragment
-//    registers; by block 3 all of step i-1 is done, so its token slot is free after the next barrier),
-//    scale MT x 2 fragments, wgmma.fence, MT x 2 wgmmas, commit. Three groups stay in flight. The LUT
-//    reads of block b+1 are issued before block b is scaled (software pipeline of one block).
+// 4. Synchronisation per k-step i: cp.async.wait (this thread's weights and tokens of step i), fence.proxy.async
+//    (its token words are seen by wgmma's async proxy), __syncthreads; copy step i + W_STAGES - 1; then per block:
+//    wgmma.wait_group 3 (the group of the same block one k-step ago no longer reads its fragment registers; by
+//    block 3 all of step i-1 is done, so its token slot is free after the next barrier), scale MT x 2 fragments,
+//    wgmma.fence, MT x 2 wgmmas, commit. Three groups stay in flight; the LUT reads of block b+1 are issued before
+//    block b is scaled (a software pipeline of one block, FRAG_SLOTS = 4 fragment slots).
 //
-// 5. Grid: one CTA per SM (146-190 KB of shared memory), tile = blockIdx.x with the m tile fastest (the m tiles of one
-//    weight tile run together and share it through L2), blockIdx.y = k split (the same split-K
-//    heuristics and workspace slots as the other configs, M <= 256).
+// 5. Grid: one CTA per SM, tile = blockIdx.x with the m tile fastest (the m tiles of one weight tile run together
+//    and share it through L2), blockIdx.y = k split (the split-K of the other configs, M <= 256).
 //
-// 6. Built only for sm_90a (wgmma); the dispatcher offers these configs only when the library holds
-//    sm_90a code (KBIT_WGMMA_BUILT) and the device is compute capability 9.0. Elsewhere the kernel body
-//    traps instead of returning garbage.
+// 6. Built only for sm_90a (wgmma); the dispatcher offers config 6 only when the library holds sm_90a code
+//    (KBIT_WGMMA_BUILT) and the device is compute capability 9.0. Elsewhere the kernel body traps.
 //
-// 7. Why (H100, 28672 x 8192, k = 4, us; dev/probe_paths.py, dev/build_variant.sh):
-//    - against the wide mma.sync config (same 256 x 64 tile): M=64 121.2 vs 127.0, M=128 251.0 vs 268.1,
-//      M=256 509.7 vs 531.1 (cuBLAS fp16 169-217); k = 2 4-10% faster; k = 5 within +-3%, left on mma.sync.
-//    - 2 warpgroups with MT = 2 (256 x 64): 134.6 at M=64; 128 x 128 tiles (TOK = 128, MT = 1, 2 warpgroups):
-//      240.6 at M=64, 324.8 at M=128 (vs 255.0 here): not kept.
-//    - leave-one-out (KBIT_PROBE_WGMMA_NO_DEQUANT: weight words as fragments, no LUT reads;
-//      KBIT_PROBE_WGMMA_NO_MMA: no wgmma), M=64: full 122.3, without dequant 98.8, without wgmma 84.2, without
-//      both 83.9 (floor of the weight bytes 41); without both and without the token copies 50.4, and the full
-//      kernel without the token copies 74.8. The tokens then went global -> registers -> shared one k-step
-//      ahead (16-byte loads, the transpose in registers), and every k-step waited for them: an L2 round
-//      trip per k-step. A deeper weight ring did not help (6 / 8 stages: 127.0 / 128.9 vs 122.8).
-//    - tokens by 4-byte cp.async W_STAGES - 1 k-steps ahead (this version): M=64 120.8 -> 100.9, M=128
-//      251.8 -> 206.0, M=256 514.8 -> 414.4; 14336 x 4096 M=64 40.2 -> 33.7; 8192 x 8192 41.1 -> 34.3; k = 2
-//      112.4 -> 94.9 (28672 x 8192); k = 3 and 5 now beat the wide mma.sync config by 10-17% (kbit_gemm.cu).
-//      ncu (M=64): 0.51 instructions issued per cycle and scheduler, ~1 eligible of 4 warps, 1.2 TB/s.
-//      The token copies first cost ~155 instructions per warp and k-step (64-bit address and bounds per
-//      row); TokenCursor (32-bit offsets, the row bounds as a mask computed once) brought them to ~50.
-//    - 128 x 128 tiles again with the cp.async tokens (TOK = 128, 2 warpgroups, 219 registers; the 4-row
-//      token step needs a second swizzle phase), against this config and the staged path (dequantize +
-//      cuBLAS), k = 4, 28672 x 8192: M=256 378.3 vs 362.0 (staged 474.6), M=1024 1384.5 vs 1341.5 (staged
-//      923.9, cuBLAS 724.3), M=4096 5691.0 vs 5285.5 (cuBLAS 3032.1); 8192 x 28672 M=256 321.6 vs 352.2, but
-//      M=1024 1316.8 vs 1400.4 (staged 944.7). Both run at ~0.55x cuBLAS at every M >= 256: wider token
-//      tiles alone do not make this loop a large-M kernel. Not kept; the large-M kernel is config 7
-//      (kbit_gemm_wgmma_ws.cuh: the copies in a producer warp, TMA tokens, no CTA barrier in the loop).
-//    - LUT reads two blocks ahead and/or two fragment slots (wgmma_wait<1>) instead of four
-//      (KBIT_WGMMA_LOOKAHEAD / KBIT_WGMMA_FRAG_SLOTS), H100 k = 4 M=64 / M=128: 86.4 / 184.2 here, 89.5 /
-//      189.7 (look-ahead 1, 2 slots), 89.3 / 198.2 (2, 2), 88.2 / 188.8 (2, 4); k = 3 and 14336 x 4096
-//      alike within +-4%. The one-block look-ahead with four slots stays.
-//
-// 8. Split-K through a thread-block cluster (cluster_reduce_store, p.cluster_reduce). With the workspace the
-//    last CTA of a tile reads every split's 64 KB partial alone; a timing-only build that skipped the
-//    reduction (H100, k = 4, us) ran 1024 x 4096 M=256 (8 splits) 18.0 -> 11.4, 4096 x 14336 M=64 30.2 ->
-//    24.2, 8192 x 8192 M=64 31.7 -> 26.5: the serial read of 0.5 MB at one SM's L2 bandwidth is the cost.
-//    In a cluster of the k_splits CTAs (dims (1, k_splits, 1)) each CTA parks its partial in its own
-//    shared memory, [token][row] fp32 with row stride rows + 4 (conflict-free park stores), and after a
-//    cluster barrier every rank sums a k_splits-th of the tile over all ranks through DSMEM in rank order
-//    (so the same bits as the workspace path) and stores it; a second barrier keeps the parks alive.
-//
-//          rank 0 park  rank 1 park ... rank S-1 park        rank r: float4s [r Q / S, (r+1) Q / S) of the
-//          [64][260]    [64][260]       [64][260]            Q = 64 x 256 / 4 quads, summed over ranks 0..S-1
-//
-//    The launcher (kbit_gemm.cu) takes it when the clusters are all resident at once
-//    (cudaOccupancyMaxActiveClusters; H100: 66 clusters of 2, 39 of 3, 30 of 4, 17 of 6, 15 of 8, one CTA per
-//    SM) and each CTA runs at most 32 k-steps; it may drop to fewer splits (down to half) only where the CTAs
-//    then run at most 8. H100, us, cluster vs workspace, k = 4, two runs each: 1024 x 4096 M=256 (8 -> 6
-//    splits) 15.1 / 15.1 vs 17.0 / 17.0; 4096 x 4096 M=64 (8 -> 6) 16.0 / 16.2 vs 18.4 / 18.2, M=256 (2)
-//    27.5 / 27.6 vs 30.7 / 31.0; 14336 x 4096 M=64 (2) 27.7 / 27.5 vs 29.8 / 30.3; 8192 x 8192 M=128 (2) 47.8 /
-//    48.7 vs 50.1 / 50.0. Not taken: fewer splits for long CTAs (4096 x 14336 M=64, 8 -> 6: 32.5 vs 30.4;
-//    M=128, 4 -> 3: 55.6 vs 45.2; 8192 x 28672 M=64, 4 -> 3: 97.2 vs 82.4) and 2-CTA clusters of 112 k-steps
-//    (8192 x 28672 M=128: 170.9 / 173.5 vs 162.0 / 162.9).
+// 7. Split-K through a thread-block cluster (cluster_reduce_store, p.cluster_reduce): instead of the last CTA
+//    reading every split's partial from the workspace alone, a cluster of the k_splits CTAs (dims (1, k_splits, 1))
+//    parks each partial in its own shared memory ([token][row] fp32, row stride rows + 4: conflict-free stores);
+//    after a cluster barrier every rank sums a k_splits-th of the tile over all ranks through DSMEM in rank order
+//    (the same bits as the workspace path) and stores it; a second barrier keeps the parks alive. The launcher
+//    takes it where all clusters are resident at once (cudaOccupancyMaxActiveClusters) and each CTA runs at most
+//    32 k-steps; it may drop to fewer splits (down to half) only where the CTAs then run at most 8.
 // ============================================================================================
 #pragma once
 
 #include "kbit_gemm.cuh"
 
-// blocks of LUT reads issued ahead of the block being multiplied, and fragment slots (wgmma groups in
-// flight per warpgroup = FRAG_SLOTS - 1); dev/build_variant.sh knobs, the defaults are the measured choice
-#ifndef KBIT_WGMMA_LOOKAHEAD
-#define KBIT_WGMMA_LOOKAHEAD 1
-#endif
-#ifndef KBIT_WGMMA_FRAG_SLOTS
-#define KBIT_WGMMA_FRAG_SLOTS 4
-#endif
 
 namespace kbit {
 
@@ -144,9 +73,9 @@ struct KbitWgmmaConfig : KbitGemmConfig<K_BITS_, TOK_ / 8, MT_, WARPS_, 1, ABS_U
     static constexpr int SMEM_BYTES = FIXED_BYTES + W_STAGES * (Base::WARPS * W_STAGE_BYTES + A_STAGE_BYTES);
     static constexpr int TOK_ROW_STEP = Base::THREADS / 16; // token rows one pass of the CTA copies (16 chunks each)
     static_assert(TOK % TOK_ROW_STEP == 0 && TOK_ROW_STEP % 8 == 0, "a thread's token rows share one swizzle phase");
-    static constexpr int LOOKAHEAD = KBIT_WGMMA_LOOKAHEAD;   // 1 or 2 blocks
+    static constexpr int LOOKAHEAD = 1;   // 1 or 2 blocks
     static constexpr int RAW_SLOTS = LOOKAHEAD + 1;
-    static constexpr int FRAG_SLOTS = KBIT_WGMMA_FRAG_SLOTS; // 2 or 4
+    static constexpr int FRAG_SLOTS = 4; // 2 or 4
     static_assert((LOOKAHEAD == 1 || LOOKAHEAD == 2) && (FRAG_SLOTS == 2 || FRAG_SLOTS == 4), "pipeline knobs");
     // the cluster split-K park (cluster_reduce_store): [TOK][rows + 4] fp32 over the ring, after the k-loop
     static constexpr int PARK_STRIDE = Base::WARPS_N * MT_ * UNIT_ROWS + 4;
@@ -306,19 +235,9 @@ __device__ __forceinline__ void lookup_block(WgmmaStep<Cfg>& st, uint32_t s_lut,
 template <class Cfg, typename T, int BLK>
 __device__ __forceinline__ void block_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], uint32_t (&frag)[Cfg::FRAG_SLOTS][Cfg::MT][2][4],
                                             WgmmaStep<Cfg>& st, uint32_t s_tok, uint32_t s_lut, uint32_t lane_off) {
-#ifndef KBIT_PROBE_WGMMA_NO_DEQUANT
     if constexpr (BLK + Cfg::LOOKAHEAD < UNIT_BLOCKS) lookup_block<Cfg, BLK + Cfg::LOOKAHEAD>(st, s_lut, lane_off);
-#endif
     wgmma_wait<Cfg::FRAG_SLOTS - 1>(); // the group that last read frag slot BLK % FRAG_SLOTS is done
     constexpr int F = BLK % Cfg::FRAG_SLOTS, R = BLK % Cfg::RAW_SLOTS;
-#ifdef KBIT_PROBE_WGMMA_NO_DEQUANT // timing probe only: the weight words as fragments, no LUT reads
-#pragma unroll
-    for (int mt = 0; mt < Cfg::MT; mt++)
-#pragma unroll
-        for (int s = 0; s < 2; s++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) st.raw[R][mt][s][j] = st.r_w[mt][(4 * s + j + BLK) % Cfg::Fmt::LANE_WORDS];
-#endif
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++) {
         const uint32_t sc_g = scale_pair<Cfg, T>(st.r_abs[mt], BLK), sc_g8 = scale_pair<Cfg, T>(st.r_abs[mt], 4 + BLK);
@@ -329,15 +248,6 @@ __device__ __forceinline__ void block_wgmma(float (&acc)[Cfg::MT][Cfg::MB][4], u
                 frag[F][mt][s][j] = Pack2<T>::mul(st.raw[R][mt][s][j], (j & 1) ? sc_g8 : sc_g);
     }
     wgmma_fence();
-#ifdef KBIT_PROBE_WGMMA_NO_MMA // timing probe only: dequantize, keep the fragments alive, skip the wgmmas
-#pragma unroll
-    for (int mt = 0; mt < Cfg::MT; mt++)
-#pragma unroll
-        for (int s = 0; s < 2; s++)
-            asm volatile("" ::"r"(frag[F][mt][s][0]), "r"(frag[F][mt][s][1]), "r"(frag[F][mt][s][2]),
-                         "r"(frag[F][mt][s][3]));
-    if (false)
-#endif
 #pragma unroll
     for (int mt = 0; mt < Cfg::MT; mt++)
 #pragma unroll
@@ -362,7 +272,7 @@ __device__ __forceinline__ void compute_stage_wgmma(float (&acc)[Cfg::MT][Cfg::M
     block_wgmma<Cfg, T, 3>(acc, frag, st, s_tok, s_lut, lane_off);
 }
 
-// Split-K through a thread-block cluster (section 8): the k_splits CTAs of a tile (cluster dims (1, k_splits,
+// Split-K through a thread-block cluster (section 7): the k_splits CTAs of a tile (cluster dims (1, k_splits,
 // 1), rank = split) park their partial tiles in their own shared memory as [token][row] fp32 (row stride
 // PARK_STRIDE: the park stores are conflict-free), then each rank sums one k_splits-th of the tile over all
 // ranks, in rank order (0 + split 0 + split 1 + ...: the workspace path's order, so the same bits), and

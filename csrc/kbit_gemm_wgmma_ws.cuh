@@ -5,164 +5,63 @@
 // ============================================================================================
 // DESIGN
 // ============================================================================================
-// 1. Why another kernel. Config 6 (and its 128- and 256-token variants, kbit_gemm_wgmma.cuh section 7)
-//    runs at ~0.55x cuBLAS for M >= 256: every warp copies its own weights and 4-byte token words with
-//    cp.async, waits for them and meets the others at a CTA barrier per k-step, so the tensor pipe waits
-//    on the latency of the copy bookkeeping and the barrier. Here the copies leave the compute warps:
-//      - two PRODUCER warps: one issues, per k-step, 8 bulk copies of the CTA's weight units (16 rows x 128 k
-//        each, contiguous in the tiled layout) + 8 of their absmax, the other 2 TMA tile loads of the tokens
-//        (256 rows x 64 k, 128-byte swizzle: exactly the K-major layout wgmma reads), each completing on
-//        an mbarrier ("full"); each refills a slot of its ring when the consumers have released it ("empty").
-//      - 8 CONSUMER warps (2 warpgroups) only wait on "full", dequantize (the pair/quad LUT of
-//        kbit_gemm.cuh, unchanged) into the register A operand and issue wgmma.m64n256k16; no CTA barrier
-//        in the main loop.
-//    The tiled weight holds each lane's pairs at the k its wgmma register fragment slots stand for (kbit_gemm.cuh
-//    section 3), so the TMA reads A itself and a call is one kernel (section 8: how it was before).
+// 1. Why another kernel. In config 6 every warp copies its own weights and tokens, waits for them and meets the
+//    others at a CTA barrier per k-step, so at large M the tensor pipe waits on the copies and the barrier. Here
+//    the copies leave the compute warps:
+//      - two PRODUCER warps: one issues, per k-step, 8 bulk copies of the CTA's weight units (contiguous in the
+//        tiled layout) + 8 of their absmax, the other 2 TMA tile loads of the tokens (256 rows x 64 k, 128-byte
+//        swizzle: the K-major layout wgmma reads), each completing on an mbarrier ("full"); each refills a slot of
+//        its ring when the consumers have released it ("empty").
+//      - 8 CONSUMER warps (2 warpgroups) only wait on "full", dequantize (the LUT of kbit_gemm.cuh) into the
+//        register A operand and issue wgmma.m64n256k16; no CTA barrier in the main loop.
+//    The tiled weight holds each lane's pairs at the k its fragment slots stand for, so the TMA reads A as it is.
 //
-// 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens.
-//          tokens m:  0 ............................ 255
-//        n   0  +------------------------------------+  warp 0 (WG 0): unit n16_base + 0  \ one wgmma
-//           16  +------------------------------------+  warp 1                          | m64n256k16 per
-//               |                ...                 |                                   | k16 and WG:
-//           48  +------------------------------------+  warp 3 (WG 0)                   /  128 fp32 acc
-//           64  +------------------------------------+  warps 4..7 (WG 1): units + 4..7       per thread
-//          128  +------------------------------------+
-//    Each weight is dequantized once per 256 tokens (config 6: once per 64). Grid: (tiles, k splits), m tile
-//    fastest (the m tiles of one weight tile run together and share it through L2). Where the tiles alone leave
-//    SMs idle (a deep weight at M = 256-512: 8192 x 28672 has 64 tiles at M = 256) the host splits the k-steps
-//    (kbit_gemm.cu, ws_splits: whole SMs, >= 24 k-steps per split); split y runs k-steps [y * ks_per_split, ..)
-//    and its consumer warps sum the tile through the workspace slots of kbit_gemm.cuh section 5 (the last of
-//    the tile's CTAs adds the slots in split order, a barrier among the 256 consumer threads in place of
-//    __syncthreads: the producer warps have returned). H100, k = 4, 8192 x 28672 M = 256: 322.5 us in config 6,
-//    187.7 in config 7 with 2 splits (cuBLAS fp16 183.7).
+// 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens; each weight is dequantized once per
+//    256 tokens. Grid: (tiles, k splits), m tile fastest (the m tiles of one weight tile share it through L2). Where
+//    the tiles alone leave SMs idle the host splits the k-steps (ws_splits: whole SMs, >= WS_MIN_SPLIT_STEPS per
+//    split), summed through the workspace slots of kbit_gemm.cuh section 5 with a barrier among the 256 consumer
+//    threads in place of __syncthreads (the producer warps have returned).
 //
-// 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES
-//    token half-steps (k 64 wide, 32 KB each, 1024-aligned for the swizzle; after the main loop they hold the output
-//    tile, section 9), W_STAGES = 4 weight k-steps (8 units' words + absmax, as stored in global), and 2 mbarriers per
-//    slot. Per k-step i the weight producer fills weight slot i % W_STAGES, the
-//    token producer token slots (2i, 2i + 1) % TOK_STAGES.
+// 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES token half-steps (k 64 wide, 32 KB each,
+//    1024-aligned; after the main loop they hold the output tile, section 7), W_STAGES weight k-steps (8 units'
+//    words + absmax as stored in global), 2 mbarriers per slot. Per k-step i the weight producer fills weight slot
+//    i % W_STAGES, the token producer token slots (2i, 2i + 1) % TOK_STAGES.
 //
-// 4. Consumer loop per k-step: wait w_full, load this warp's unit (LDS) and release the weight slot
-//    (one arrive per warp), look up block 0; per block b: look up block b + 1, wgmma.wait_group 1 (the
-//    group of block b - 2 retired: its fragment slot is free), scale, fence, 2 wgmmas (k16 steps of the
-//    block; token half b / 2, waited on at b = 0, 2), commit. At odd blocks the group of the previous
-//    half's last block has retired, so that half's token slot is released. After block 3's wgmmas the warp
-//    already waits for the next k-step's weights, loads its unit into the other of two register sets (the
-//    loop is unrolled by 2) and looks up its block 0, so that chain runs under the tensor work.
+// 4. Consumer loop per k-step: wait w_full, load this warp's unit (LDS) and release the weight slot (one arrive per
+//    warp), look up block 0; per block b: look up block b + 1, wgmma.wait_group 1 (the group of block b - 2 retired:
+//    its fragment slot is free), scale, fence, 2 wgmmas, commit. At odd blocks the previous token half's slot is
+//    released. After block 3 the warp already waits for the next k-step's weights into the other of two register
+//    sets (the loop is unrolled by 2) and looks up its block 0, so that chain runs under the tensor work.
 //
-// 5. Registers: 3 warpgroups (the producers' has two working warps) so that setmaxnreg can give the consumers
-//    232 registers and the producers 40. With one producer warp (288 threads, 224 registers each) ptxas
-//    serialized every wgmma (C7512, "insufficient register resources") although the kernel used 168; the
-//    accumulators are first written by the tile's first wgmma (scale-d = 0), because zeroing them with
-//    ordinary instructions made ptxas serialize the wgmmas as well (C7515). Check every build for C751x.
+// 5. Registers: 3 warpgroups (the producers' has two working warps) so that setmaxnreg gives the consumers 232
+//    registers and the producers 40. The accumulators are first written by the tile's first wgmma (scale-d = 0):
+//    zeroing them with ordinary instructions, or fewer registers, makes ptxas serialize the wgmmas (C7512, C7515).
+//    Check every build for C751x warnings.
 //
-// 6. Why (H200, k = 4, us, dev/probe_paths.py; cuBLAS fp16 in brackets; the dispatch rule and its numbers are
-//    in kbit_gemm.cu, ws_config_fits):
-//    - the first version (serialized wgmmas, C7512) vs with setmaxnreg: 28672 x 8192 M=1024 873.0 -> 801.0
-//      (746.6), M=4096 3500.1 -> 3237.7 (3046.9); 14336 x 4096 M=4096 937.8 -> 860.7 (718.7).
-//    - leave-one-out builds (KBIT_PROBE_WS_NO_DEQUANT: weight words as fragments, no LUT reads;
-//      KBIT_PROBE_WS_NO_MMA: no wgmma; one call), 28672 x 8192 M=4096: full 3237.7, without the dequant 2773.5
-//      (faster than cuBLAS, 2991.1), without the wgmmas 2014.4; 14336 x 4096 M=1024: 230.3 / 201.8 / 162.7. The
-//      LUT dequant in the consumer warps costs ~15%: with two consumer warps per scheduler its latency is not
-//      hidden behind the wgmmas.
-//    - weights and tokens from two producer warps instead of one loop in one warp (H100, ratios to cuBLAS fp16 in
-//      the same process, two rounds, k = 4, M = 1024): 8192 x 8192 0.81 / 0.81 -> 0.84 / 0.85, 28672 x 8192 0.85 /
-//      0.84 -> 0.87 / 0.87, 14336 x 4096 0.71 / 0.71 -> 0.71 / 0.72, 4096 x 14336 0.79 / 0.78 -> 0.81 / 0.80. With
-//      one warp, every wait for a token slot also held back the next weight copies: ncu (14336 x 4096, M = 1024)
-//      had 10% of the consumers' stall samples on the weight "full" barriers, 13% on the token ones and 11% on
-//      the wgmma waits (WARPGROUP.DEPBAR); issue slots 26% busy (cuBLAS: 9.6%, 176 x 128 tiles in clusters of 2,
-//      132 persistent CTAs). 5 token half-slots with 3 weight slots on top: no better (within +-2%).
-//    - the next unit fetched after block 3 (this version) vs at the start of each k-step: 1-3% (4096 x 14336
-//      M=1024 198.8 / 205.4 -> 194.2 / 197.8, 28672 x 8192 779.7 / 807.4 -> 768.8 / 785.5, two rounds).
-//    - not kept: 5 token half-slots with 2 weight slots (14336 x 4096 M=4096 880.4 vs 860.7, 28672 x 8192
-//      3460.4 vs 3237.7); 5 or 2 weight slots (within +-3%); 4 fragment slots (ptxas serialized the wgmmas,
-//      C7513); persistent CTAs (min(tiles, SMs) CTAs looping over tiles, the LUT built once, the producer
-//      running into the next tile during the epilogue): 14336 x 4096 M=512 100.5 / 101.9 -> 109.4 / 108.5,
-//      M=1024 214.4 / 217.1 -> 225.3 / 227.2, 28672 x 8192 equal (two rounds; the hardware's block
-//      scheduler balances the waves better than a static round robin). Rebuilt on this kernel for many waves (from
-//      1 or 2 waves of tiles, the tile's output leaving through the token slots of its last k-step, held until the
-//      stores have read them, so the token producer runs a k-step into the next tile during the epilogue; H100,
-//      k = 4, us, two rounds, settled timing, one CTA per tile -> persistent from 2 waves): 14336 x 4096 M=4096
-//      776 / 766 -> 809 / 793, M=2048 382 / 385 -> 385 / 382, 4096 x 14336 M=4096 752 / 765 -> 780 / 769, 8192 x
-//      8192 M=4096 869 / 848 -> 875 / 889, 28672 x 8192 M=4096 3057 / 3026 -> 3059 / 3048; from 1 wave also M=1024
-//      (no tail split then) 14336 x 4096 201 / 202 -> 209 / 211. Still slower: not kept.
-//
-// 7. The partial last wave. One CTA per SM runs the tiles in waves, and the time follows the number of waves, not
-//    of tiles (H100, k = 4, M = 1024, us: 12672 x 4096 = 396 tiles = 3 waves 172, 14336 x 4096 = 448 tiles = 3.4
-//    waves 227, 16896 x 4096 = 528 tiles = 4 waves 237; cuBLAS 145 / 161 / 192). Where the last wave would leave
-//    more than half the SMs idle and the launch has no k splits (ws_tail_tiles in kbit_gemm.cu), its tiles run as
-//    two CTAs each, half the k-steps apiece, placed last in the grid (blocks start in index order):
+// 6. The partial last wave. One CTA per SM runs the tiles in waves. Where the last wave would leave more than half
+//    the SMs idle and the launch has no k splits (ws_tail_tiles in kbit_gemm.cu), its tiles run as two CTAs each,
+//    half the k-steps apiece, placed last in the grid:
 //        grid: [ whole tiles 0 .. F-1 | tile F k half 0, tile F k half 1, tile F+1 k half 0, ... ]   F = ws_tail_from
-//    and the two halves add up through the same workspace slots as the k splits (slot tile = the pair's index).
-//    H100, k = 4, us, two rounds: 28672 x 8192 M = 512 (448 tiles, 52 split) 466.7 / 451.8 -> 428.2 / 428.3,
-//    14336 x 4096 M = 1024 233.2 / 233.6 -> 224.9 / 229.6 (cuBLAS 338 and 165): less than the wave count
-//    promises (3.5 waves for 4), so the waves are not all of the story there.
-//    In a clustered launch (section 10) the two halves of a tail tile are one cluster of 2 instead and sum through
-//    each other's shared memory (ws_pair_reduce_store): each parks the fp32 accumulators of the token half the other
-//    stores (64 KB, in its free token slots 2 and 3), arrives on the other's mbarrier with cluster-scope release,
-//    adds the other's park through DSMEM to its own half and stores it:
-//          rank 0 (k half 0): park tokens 128..255 --DSMEM--> rank 1 adds, stores C tokens 128..255
-//          rank 1 (k half 1): park tokens   0..127 --DSMEM--> rank 0 adds, stores C tokens   0..127
-//    split 0 + split 1 either way, so the workspace path's bits. Through the workspace the last CTA of a tail tile
-//    wrote 128 KB, took the counter, read 256 KB and stored the whole tile alone; a timing-only build without the
-//    counter and the reads (KBIT_PROBE_SPLITK_STORE_ONLY) had been 2-3% faster at M = 1024 on 14336 x 4096. H100,
-//    us, benchmarking/bench_kbit_gemm.py (cuBLAS fp16 186 / 189 and 374 / 379), workspace -> pair, k = 2 / 3 / 4 / 5:
-//    14336 x 4096 M = 1024 194.4 / 199.6 / 203.9 / 205.7 -> 186.7 / 194.2 / 195.2 / 195.7, 28672 x 8192 M = 512
-//    369.6 / 374.7 / 392.2 / 392.4 -> 357.0 / 373.5 / 386.6 / 386.4 (dev/probe_paths.py, two processes each, k = 4 / 5:
-//    28672 x 8192 M = 512 382.6 / 388.3, 389.9 / 392.3 -> 375.4 / 371.9, 381.0 / 376.9).
+//    The two halves add up through the workspace slots, or, in a clustered launch (section 8), as one cluster of 2
+//    through each other's shared memory (ws_pair_reduce_store): each parks the fp32 accumulators of the token half
+//    the other stores, arrives on the other's mbarrier with cluster-scope release, adds the other's park through
+//    DSMEM and stores its half. Split 0 + split 1 either way: the workspace path's bits.
 //
-// 8. Until the tiled weight held its pairs at the fragment's k, it permuted k inside each 32-block (lane t: k 8t..8t+7,
-//    one 16-byte load of A per token and block in the mma.sync configs), and the TMA cannot permute 4-byte words. For
-//    k = 2..4 (and k = 5 where N <= 4096) two more producer warps transposed each unit's fields among the lanes of a
-//    quad in shared memory before the consumers read it (two shuffle rounds and byte permutes per block; for odd k a
-//    field order made for the exchange); k = 5 on wider weights first copied the tokens into a permuted buffer A' with a
-//    second kernel. H100, M = 1024, us, the permute kernel + GEMM -> GEMM with the transpose (cuBLAS fp16): k = 4 4096
-//    x 14336 28.6 + 159.5 -> 163.5 (156.9), 8192 x 8192 16.7 + 189.6 -> 193.6 (182.3); k = 5 28.6 + 159.9 -> 181.3, 16.7 +
-//    190.1 -> 213.4 (a 1024-entry LUT and 10 words per lane through the transposer on a shared-memory pipe the wgmmas
-//    already nearly fill; 16 LUT copies with 3 weight stages: 172.6, 204.3). A timing-only build without either (the
-//    kernel as it is now, on the permuted layout) measured what the layout change gives, H100, M = 1024, us, two
-//    rounds, transpose or permute -> neither: k = 4 4096 x 14336 189.4 / 189.4 -> 183.6 / 185.7, 8192 x 8192 213.1 /
-//    216.7 -> 209.9 / 210.5, 8192 x 28672 725.4 / 725.4 -> 710.5 / 706.9; k = 5 204.6 / 198.5 -> 187.6 / 187.3, 224.2 /
-//    224.6 -> 211.0 / 213.9, 759.3 / 763.6 -> 723.7 / 720.1; k = 2, 3 and 14336 x 4096 within the spread. Copying the
-//    tokens with 4-byte cp.async into the permuted layout inside this kernel (3 producer warps) had been 2.5x slower
-//    (470 vs 189 us on 4096 x 14336): 16K 4-byte copies per k-step are bound by the L1's outstanding requests.
-//
-// 9. The output through shared memory (ws_store_tile). The mma.sync configs' store_output writes each fragment value
-//    with a 2-byte store: per warp instruction 4 token rows x 16 bytes, 1024 such stores per CTA for its 64 KB tile.
-//    Leaving the stores out (KBIT_PROBE_WS_NO_STORE) showed them costing 6-7 us per wave of tiles (H100, k = 4, M =
-//    1024, us: 4096 x 2048, one wave, 31.2 -> 24.5; 12672 x 2048, three waves, 101.8 -> 80.3; 12672 x 4096 182.0 ->
-//    142.0; 14336 x 4096 218.5 -> 193.5). Now the consumers, once every wgmma of the tile has retired and the token
-//    ring is free, write the tile with stmatrix.trans into it (token-major, 16-byte chunks swizzled by token % 8: no
-//    bank conflicts on either side) and store each token's 256 bytes with 16-byte stores:
-//          fragments (8 warps x 16 rows x 256 tokens) --stmatrix.x4.trans--> smem [256 tokens][128 rows] fp16
+// 7. The output through shared memory (ws_store_tile): once every wgmma of the tile has retired and the token ring is
+//    free, the consumers write the tile with stmatrix.trans into it (token-major, 16-byte chunks swizzled by
+//    token % 8: no bank conflicts on either side) and store each token's 256 bytes with 16-byte stores:
+//          fragments (8 warps x 16 rows x 256 tokens) --stmatrix.x4.trans--> smem [256 tokens][128 rows]
 //          --LDS.128 / STG.128, 2 token rows per warp instruction--> C rows m_base + 0..255, columns n_cta + 0..127
-//    H100, k = 4, us, two rounds, 2-byte stores -> this (cuBLAS fp16 of the second): M = 1024: 14336 x 4096 220.0 /
-//    216.5 -> 181.1 / 198.2 (169.0), 4096 x 14336 171.0 / 175.4 -> 160.0 / 160.1 (155.4), 8192 x 8192 210.0 / 211.8
-//    -> 199.4 / 203.7 (201.4), 28672 x 8192 801.1 / 804.7 -> 717.1 / 725.9 (696.2); M = 512: 14336 x 4096 108.1 /
-//    109.2 -> 98.2 / 100.6, 28672 x 8192 418.0 / 428.0 -> 395.3 / 403.0. That moved config 7 ahead of the staged
-//    path up to M = 4096 (kbit_gemm.cu, WS_MAX_M).
 //
-// 10. Token multicast (p.ws_multicast). The tokens are most of what the TMA moves (per k-step 64 KB of them against
-//    8 KB of k = 4 weights). Where a launch has no k splits, an even number of weight tiles and of split tail tiles
-//    (section 7; there a cluster is the two k halves of one tile, which share no tokens: each loads its 256 rows as
-//    two boxes and the pair sums through shared memory), the CTAs
-//    of weight tiles 2c and 2c + 1 of one m tile run as a cluster of 2 and share the token tile: each one's producer
-//    loads its 128 rows of every box with .multicast::cluster into the same slot of both CTAs, and each consumer warp
-//    releases a token slot in both (t_empty counts 16 arrives), so a slot is refilled when both have read it:
+// 8. Token multicast (p.ws_multicast). Where a launch has no k splits and an even number of weight tiles and of
+//    tail tiles, the CTAs of weight tiles 2c and 2c + 1 of one m tile run as a cluster of 2 and share the token
+//    tile: each producer loads its 128 rows of every box with .multicast::cluster into the same slot of both CTAs,
+//    and each consumer warp releases a token slot in both (t_empty counts 16 arrives):
 //          cluster c:  CTA rank 0 = weight tile 2 (c / m_tiles),     m tile c % m_tiles, token rows   0..127 -> both
 //                      CTA rank 1 = weight tile 2 (c / m_tiles) + 1, same m tile,        token rows 128..255 -> both
 //    The producer waits for the partner's last releases before it returns, so neither CTA exits while the other may
-//    still arrive on its barriers. H100, k = 4 / 5, M = 4096, us, medians of three rounds in alternating processes
-//    (dev/probe_paths.py): 14336 x 4096 827 / 817 -> 797 / 794, 4096 x 14336 745 / 767 -> 719 / 772, 8192 x 8192
-//    882 / 915 -> 850 / 877, 28672 x 8192 3033 / 3058 -> 3062 / 3084 (M = 1024 there, two rounds, k = 4: 755 / 732 ->
-//    728 / 732); cuBLAS fp16 moved by up to 10% between the processes of that run. What it took:
-//    - the consumers' remote arrive with .release.cluster semantics (a cluster-scope fence per release) made the kernel
-//      25-35% slower (14336 x 4096 M = 4096 815 -> 1006, 28672 x 8192 M = 1024 735 -> 954); the default (.release.cta,
-//      as CUTLASS's cluster barriers use) costs nothing. A relay through the producers (each waits for its consumers,
-//      then arrives on a pair barrier of both CTAs) was as slow (916 / 864) with or without the multicast; launching
-//      the clusters alone (grid order and cluster scheduling, no coupling) changed nothing.
-//    - A timing-only build that loaded half the token rows (the other half stale, KBIT_PROBE-style, not kept) had
-//      promised 5-10% (14336 x 4096 M = 4096 815 -> 726): with stale operands the tensor cores may also draw less power.
+//    still arrive on its barriers. The consumers' remote arrive uses the default .release.cta semantics: a
+//    cluster-scope fence per release costs a quarter of the kernel's time.
 // ============================================================================================
 #pragma once
 
@@ -172,16 +71,7 @@
 
 namespace kbit {
 
-// pipeline knobs (dev/build_variant.sh); the defaults are the measured choice
-#ifndef KBIT_WS_TOK_STAGES
-#define KBIT_WS_TOK_STAGES 4
-#endif
-#ifndef KBIT_WS_W_STAGES
-#define KBIT_WS_W_STAGES 4
-#endif
-#ifndef KBIT_WS_FRAG_SLOTS
-#define KBIT_WS_FRAG_SLOTS 2
-#endif
+// pipeline knobs; the defaults are the measured choice
 
 template <int K_BITS_, bool ABS_U8_>
 struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
@@ -199,15 +89,15 @@ struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
     static constexpr int UNIT_BYTES = 4 * Base::Fmt::UNIT_WORDS;
     static constexpr int ABS_UNIT_BYTES = UNIT_ABSMAX * (ABS_U8_ ? 1 : 2);
     static constexpr int W_STAGE_BYTES = CONSUMER_WARPS * (UNIT_BYTES + ABS_UNIT_BYTES);
-    static constexpr int TOK_STAGES = KBIT_WS_TOK_STAGES;
-    static constexpr int W_STAGES = KBIT_WS_W_STAGES;
+    static constexpr int TOK_STAGES = 4;
+    static constexpr int W_STAGES = 4;
     static constexpr int LUT_BYTES = 4 * Base::LUT_WORDS;
     static constexpr int BAR_BYTES = 8 * (2 * TOK_STAGES + 2 * W_STAGES + 2); // + the pair reduction's two
     static constexpr int SMEM_BYTES = 1024 /* alignment */ + TOK_STAGES * TOK_HALF_BYTES + LUT_BYTES +
                                       W_STAGES * W_STAGE_BYTES + BAR_BYTES;
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
     // wgmma_wait<FRAG_SLOTS - 1>: groups of FRAG_SLOTS - 1 blocks in flight while the next is built
-    static constexpr int FRAG_SLOTS = KBIT_WS_FRAG_SLOTS;
+    static constexpr int FRAG_SLOTS = 2;
     static_assert(FRAG_SLOTS == 2 || FRAG_SLOTS == 4, "a token half (2 blocks) is released FRAG_SLOTS / 2 halves late");
     static_assert(TOK_STAGES > FRAG_SLOTS / 2 + 1, "the producer must be able to run ahead");
 };
@@ -315,7 +205,7 @@ KBIT_WGMMA_RS256_SPEC(__nv_bfloat16, "bf16")
 #undef KBIT_ACC64
 #undef KBIT_ACC8
 
-// The tile's output through shared memory (section 9), by the 256 consumer threads once every wgmma of the tile has
+// The tile's output through shared memory (section 7), by the 256 consumer threads once every wgmma of the tile has
 // retired (the token ring, free by then, holds it): each warp's fragments with stmatrix.trans into [256 tokens][128
 // rows] of 16-bit values, 16-byte chunk c of token m's 256-byte row at chunk c ^ (m % 8) (conflict-free both ways),
 // then each token's 256 bytes to its row of C with 16-byte stores (element stores where C or N is not 16-byte
@@ -372,7 +262,7 @@ __device__ __forceinline__ void ws_store_tile(const float (&acc)[128], const Kbi
 // ---------------------------------------------------------------------------------------------
 template <class Cfg> struct WsSmem {
     uint32_t tok, lut, w, bar; // shared addresses of the token ring, LUT, weight ring, barriers
-    uint32_t peer_t_empty;     // token multicast (section 10): t_empty(0) of the other CTA of the cluster, else 0
+    uint32_t peer_t_empty;     // token multicast (section 8): t_empty(0) of the other CTA of the cluster, else 0
     __device__ __forceinline__ uint32_t tok_slot(int s) const { return tok + s * Cfg::TOK_HALF_BYTES; }
     __device__ __forceinline__ uint32_t w_slot(int s) const { return w + s * Cfg::W_STAGE_BYTES; }
     __device__ __forceinline__ uint32_t t_full(int s) const { return bar + 8 * s; }
@@ -384,7 +274,7 @@ template <class Cfg> struct WsSmem {
     __device__ __forceinline__ uint32_t park_read() const { return park_full() + 8; }
 };
 
-// The split last wave's pair reduction (section 7): the two k halves of a tile run as one cluster of 2 (rank =
+// The split last wave's pair reduction (section 6): the two k halves of a tile run as one cluster of 2 (rank =
 // half). Each parks the accumulators of the token half the other finalizes in its own free token slots 2, 3, arrives on
 // the other's park_full, waits on its own, adds the other's parked half to its own (split 0 + split 1: the workspace
 // path's bits) through DSMEM, arrives on the other's park_read and stores its token half; it exits once its own park
@@ -447,7 +337,7 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
     }
 }
 
-// With the token multicast (section 10) the two CTAs of a cluster share the token tile: each loads its 128 rows of
+// With the token multicast (section 8) the two CTAs of a cluster share the token tile: each loads its 128 rows of
 // every box into both CTAs. A slot is refilled only when the consumers of both have released it (each consumer warp
 // arrives on t_empty of both CTAs); before it returns, the producer waits for the releases still to come, so that
 // no CTA exits while the other may still arrive on its barriers.
@@ -492,10 +382,8 @@ __device__ __forceinline__ void ws_fetch_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WOR
     const int ws = i % Cfg::W_STAGES;
     mbar_wait(sm.w_full(ws), (i / Cfg::W_STAGES) & 1);
     ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
-#ifndef KBIT_PROBE_WS_NO_DEQUANT
     lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
     lookup_frag_a<Cfg, 1>(raw[0][1], r_w, sm.lut, lane_off);
-#endif
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.w_empty(ws)); // the lane words are in registers (read before the arrive)
 }
@@ -507,17 +395,10 @@ __device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg
                                          const uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
                                          const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], const WsSmem<Cfg>& sm,
                                          int i, uint32_t lane_off, int lane, uint32_t accumulate, FetchNext&& fetch_next) {
-#ifdef KBIT_PROBE_WS_NO_DEQUANT // timing probe only: the weight words as fragments, no LUT reads
-#pragma unroll
-    for (int s = 0; s < 2; s++)
-#pragma unroll
-        for (int r = 0; r < 4; r++) raw[BLK % 2][s][r] = r_w[(4 * s + r + BLK) % Cfg::Fmt::LANE_WORDS] ^ lane_off;
-#else
     if constexpr (BLK + 1 < UNIT_BLOCKS) { // LUT reads of the next block first (their latency hides behind this one)
         lookup_frag_a<Cfg, 2 * (BLK + 1)>(raw[(BLK + 1) % 2][0], r_w, sm.lut, lane_off);
         lookup_frag_a<Cfg, 2 * (BLK + 1) + 1>(raw[(BLK + 1) % 2][1], r_w, sm.lut, lane_off);
     }
-#endif
     const int j = 2 * i + BLK / 2, ts = j % Cfg::TOK_STAGES;
     if constexpr (BLK % 2 == 0) mbar_wait(sm.t_full(ts), (j / Cfg::TOK_STAGES) & 1);
     wgmma_wait<Cfg::FRAG_SLOTS - 1>(); // the group of block BLK - FRAG_SLOTS retired: its fragment slot is free
@@ -532,12 +413,6 @@ __device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg
 #pragma unroll
         for (int r = 0; r < 4; r++) frag[F][s][r] = Pack2<T>::mul(raw[BLK % 2][s][r], (r & 1) ? sc_g8 : sc_g);
     wgmma_fence();
-#ifdef KBIT_PROBE_WS_NO_MMA // timing probe only: keep the fragments alive, skip the wgmmas
-#pragma unroll
-    for (int s = 0; s < 2; s++)
-        asm volatile("" ::"r"(frag[F][s][0]), "r"(frag[F][s][1]), "r"(frag[F][s][2]), "r"(frag[F][s][3]));
-    if (false)
-#endif
 #pragma unroll
     for (int s = 0; s < 2; s++) // k16 step s of the block: bytes 32 ((BLK % 2) * 2 + s) of each 128-byte token row
         WgmmaRS256<T>::run(acc, frag[F][s], smem_desc_sw128(sm.tok_slot(ts) + ((BLK % 2) * 2 + s) * 32), s > 0 ? 1u : accumulate);
@@ -578,9 +453,9 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     sm.bar = sm.w + Cfg::W_STAGES * Cfg::W_STAGE_BYTES;
 
     // split blockIdx.y of the k-steps (section 2); the host plans no empty split (ws_splits). Without k splits, the
-    // tiles of a partial last wave run as two CTAs each, half the k-steps apiece, last in the grid (section 7)
+    // tiles of a partial last wave run as two CTAs each, half the k-steps apiece, last in the grid (section 6)
     int tile = blockIdx.x, split = blockIdx.y, n_splits = p.k_splits, ks = p.ks_per_split, slot_tile = blockIdx.x;
-    // pair: a split last wave's CTA of a clustered launch, its cluster the two k halves of its tile (section 7)
+    // pair: a split last wave's CTA of a clustered launch, its cluster the two k halves of its tile (section 6)
     bool pair = false;
     if (n_splits == 1 && tile >= p.ws_tail_from) {
         const int j = tile - p.ws_tail_from;
@@ -639,7 +514,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
             ws_step<Cfg, T>(acc, frag, raw, r_w[1], r_abs[1], r_w[0], r_abs[0], sm, i + 1, n_steps, lane_off, warp, lane);
     }
     wgmma_wait<0>();
-    if (pair) { // the two k halves of the tile sum through each other's shared memory (section 7)
+    if (pair) { // the two k halves of the tile sum through each other's shared memory (section 6)
         if (split == 0) ws_pair_reduce_store<Cfg, T, 0>(acc, p, sm, n16_cta * UNIT_ROWS, m_base, warp, lane);
         else ws_pair_reduce_store<Cfg, T, 1>(acc, p, sm, n16_cta * UNIT_ROWS, m_base, warp, lane);
         return;
@@ -651,9 +526,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         if (!reduce_split_k<Cfg>(acc_tile, p, slot_tile, warp, true, lane, &s_flag, consumers_sync, split, n_splits))
             return;
     }
-#ifndef KBIT_PROBE_WS_NO_STORE // timing builds: the tile's output stores left out
     ws_store_tile<Cfg, T>(acc, p, sm.tok, n16_cta * UNIT_ROWS, m_base, warp, lane);
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -152,8 +152,7 @@ __global__ void __launch_bounds__(DEQ_TILED_THREADS) kbit_dequant_tiled_kernel(
 #pragma unroll
                 for (int pr = 0; pr < 4; pr++) v[pr] = Pack2<T>::mul(s_lut[pair_lut_index<K_BITS, ABS_U8>(r, blk, half, pr)], scale);
                 quad_transpose_words(v, t); // v[j] = pair t of lane j: k 8t + 2j, +1
-                // one 16-byte store (rows start 64-byte aligned: ld % 32 == 0). Through a uint4 pointer nvcc
-                // split it into four 4-byte stores here: a 2.4x slower kernel (H200). PTX ISA 9.7.9.9
+                // one 16-byte store (rows start 64-byte aligned: ld % 32 == 0).
                 if (k_unit + blk * BLOCK_ELEMS < region.k_end && row + 8 * half < region.n_end)
                     asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(g_row + blk * BLOCK_ELEMS), "r"(v[0]),
                                  "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");

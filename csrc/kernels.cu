@@ -78,9 +78,6 @@ __device__ __forceinline__ void byte_offsets_from_planes(const uint32_t (&planes
     }
 }
 
-// One plane word through the read-only path, asking L2 to fetch 256 bytes around it: the words of
-// neighbouring warps come in one DRAM burst (H200: k = 5 dequantize 69.5 -> 70.7% of copy_);
-// PTX ISA 9.7.9.8
 __device__ __forceinline__ int32_t load_plane(const int32_t* p) {
     int32_t v;
     asm("ld.global.nc.L2::256B.b32 %0, [%1];\n" : "=r"(v) : "l"(p));

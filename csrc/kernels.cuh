@@ -1,6 +1,6 @@
 // Device code of bitsandbytes-kbit: k-bit blockwise quantize / dequantize.
 //
-// The flat format (docs/format.md, DESIGN.md section 3) in one picture:
+// The flat format in one picture:
 //
 //   A (any shape, n elements, flattened)   block i = elements [32 i, 32 i + 32)
 //   packed[i * K_BITS + b]  (uint32 stored as int32) = bit b of the 32 indices of block i,
@@ -99,21 +99,10 @@ void launch_quantize_kbit(
     int32_t* packed, ABSMAX_T* absmax, long long n
 );
 
-// dequantize: one thread per 8 consecutive elements (a quarter block: byte q of every plane
-// word), one 16-byte store (fp16/bf16) or two (fp32) when vector_store allows, so a warp's
-// store covers 512 contiguous bytes, with the evict-first hint. Persistent grid, software
-// pipelined: a thread loads its next group's words (one vector load for k = 2, 4) before
-// converting the current one, with an L2 256-byte fetch hint. Measured on H200 (64M elements -> fp16, % of copy_ bandwidth, k = 2..5):
-//   8 elements per thread, load then convert              75.3 / 74.1 / 72.5 / 69.7-70.3%
-//   + evict-first stores                                  76.2 / 74.6 / 72.7 / 70.1%
-//   + next group prefetched                               77.0 / 75.6 / 71.3 / 69.2%
-//   + L2::256B hint on the plane loads                    77.4 / 76.1-76.9 / 71.7 / 71.1%
-//     (another H200, 3 rounds:                            76.4 / 74.5-74.9 / 70.4-70.6 / 71.1-71.4%)
-//   + one 8 / 16-byte load per block for k = 2 / 4 (kept) 76.4 / - / 72.6-72.7 / -   (same GPU)
-//   a warp loading its 8 blocks' words coalesced, then shuffles 67.8 / 65.3 / 65.1 / 58.9%
-//   two groups per thread, all loads first                72.0 / 71.7 / 70.2 / 69.1% (6 CTAs per SM)
-//   16 elements per thread (two 16-byte stores 32 B apart) 57-67%; one CTA per 2048 elements with
-//   a per-bit extraction loop (the first version) 54-65%.
+// dequantize: one thread per 8 consecutive elements (a quarter block: byte q of every plane word), one 16-byte store
+// (fp16/bf16) or two (fp32) when vector_store allows, so a warp's store covers 512 contiguous bytes, with the
+// evict-first hint. Persistent grid, software pipelined: a thread loads its next group's words (one vector load for k
+// = 2, 4) before converting the current one, with an L2 256-byte fetch hint.
 template <typename T, int K_BITS, typename ABSMAX_T>
 void launch_dequantize_kbit(
     unsigned grid, unsigned threads, cudaStream_t stream, const int32_t* packed, const ABSMAX_T* absmax,

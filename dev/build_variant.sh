@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build a variant of the native library with extra -D flags (probe switches in csrc/), for A/B timing
-# on the GPU machine with BNB_KBIT_LIBRARY. Needs the CMake build of prepare_gpu_run.sh (its objects).
-#   bash dev/build_variant.sh NAME -DKBIT_PROBE_NO_LOADS ...   -> .whl/variants/NAME.so
+# Build a variant of the native library (sm_90a) from the working tree's csrc/kbit_gemm.cu with extra nvcc flags
+# (e.g. -lineinfo for ncu source views), linked with the other objects of the CMake build of prepare_gpu_run.sh, to
+# time against the installed library on the GPU machine with BNB_KBIT_LIBRARY=.whl/variants/NAME.so.
+#   bash dev/build_variant.sh NAME [nvcc flags...]   -> .whl/variants/NAME.so
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="$1"; shift

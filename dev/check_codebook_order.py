@@ -3,7 +3,7 @@ waits for its codebook entry before it issues its first weight load.
 
 ptxas places the multiply of the codebook entry by the LUT factor (an FMUL) right after the codebook load, so
 each warp stalls there for the load's round trip and only then issues its A copies and weight loads. That order is
-not asked for by the source, and it is worth 7-17% at M = 1 on H100 (docs/kernel.md, "The codebook wait, again"):
+not asked for by the source, and it is worth 7-17% at M = 1 on H100:
 builds in which ptxas put the multiply after the weight loads (an unrelated epilogue change; the codebook read before
 the PDL wait) were that much slower, with the k-loop's SASS unchanged. Run this after any change to
 `csrc/kbit_gemm.cuh`:

@@ -40,7 +40,9 @@ def summarise(text, top):
         return
     cols = list(rows[0].keys())
     total_col = next((c for c in cols if "Warp Stall Sampling (All" in c), None)
-    reason_cols = [c for c in cols if c.startswith("stall_") or c.lower().startswith("smsp__pcsamp_warps_issue_stalled")]
+    reason_cols = [
+        c for c in cols if c.startswith("stall_") or c.lower().startswith("smsp__pcsamp_warps_issue_stalled")
+    ]
     print("columns:", ", ".join(cols))
     if total_col is None:
         return
@@ -76,10 +78,36 @@ def main():
     name = f"{args.shape}_m{args.m}_k{args.k}_c{args.config}"
     rep = os.path.join(args.out, name)
     target = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ncu_target.py")
-    r = run(["ncu", "--clock-control", "none", "-k", "regex:kbit_gemm", "--launch-count", "1", "--section",
-             "SourceCounters", "--section", "WarpStateStats", "--section", "SpeedOfLight", "-f", "-o", rep,
-             sys.executable, target, "--shape", args.shape, "--m", str(args.m), "--ks", str(args.k), "--configs",
-             str(args.config)])
+    r = run(
+        [
+            "ncu",
+            "--clock-control",
+            "none",
+            "-k",
+            "regex:kbit_gemm",
+            "--launch-count",
+            "1",
+            "--section",
+            "SourceCounters",
+            "--section",
+            "WarpStateStats",
+            "--section",
+            "SpeedOfLight",
+            "-f",
+            "-o",
+            rep,
+            sys.executable,
+            target,
+            "--shape",
+            args.shape,
+            "--m",
+            str(args.m),
+            "--ks",
+            str(args.k),
+            "--configs",
+            str(args.config),
+        ]
+    )
     if r.returncode != 0:
         print(r.stdout[-3000:], r.stderr[-3000:])
         return
@@ -87,7 +115,9 @@ def main():
     with open(rep + "_details.csv", "w") as f:
         f.write(r.stdout)
     for l in r.stdout.splitlines():
-        if any(x in l for x in ("Duration", "Warp Cycles Per Issued", "Issued Ipc", "Memory Throughput", "Compute (SM)")):
+        if any(
+            x in l for x in ("Duration", "Warp Cycles Per Issued", "Issued Ipc", "Memory Throughput", "Compute (SM)")
+        ):
             print("  ", l[-140:])
     r = run(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"])
     if r.returncode != 0:

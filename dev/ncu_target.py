@@ -29,7 +29,9 @@ def main():
             if config < 0:
                 F.kbit_gemm(A, Bp, Ba, cb, k, N, K)
             else:
-                kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K, None, torch.empty(args.m, N, dtype=A.dtype, device=A.device), config=config)
+                kbit_gemm_cuda(
+                    A, Bp, Ba, cb, k, N, K, None, torch.empty(args.m, N, dtype=A.dtype, device=A.device), config=config
+                )
             torch.cuda.synchronize()
 
 

@@ -28,6 +28,7 @@ def plan_text(M, N, K, k) -> str:
         return ""
     return f"  plan=c{config}/s{splits}"
 
+
 PRODUCE_A = False  # --produce-a: an elementwise kernel writes A right before each call (as a norm would)
 
 

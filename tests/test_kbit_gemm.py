@@ -65,8 +65,19 @@ def test_repack_round_trip_bit_exact(k, N, K_dim, absmax_dtype):
     B_packed, B_absmax = F.repack_kbit(packed, absmax, k, N, K_dim)
     words, n_abs = tiled_layout.tiled_sizes(k, N, K_dim)
     assert B_packed.numel() == words and B_absmax.numel() == n_abs and B_absmax.dtype == absmax_dtype
-    p2, a2 = tiled_layout.unrepack_kbit_reference(B_packed.reshape(-1), B_absmax.reshape(-1), k, N, K_dim)
+    p2, a2 = F.unrepack_kbit(B_packed, B_absmax, k, N, K_dim)
     assert torch.equal(p2, packed) and torch.equal(a2.view(torch.uint8), absmax.view(torch.uint8))
+
+
+def test_unrepack_rejects_wrong_sizes():
+    words, n_abs = tiled_layout.tiled_sizes(3, 40, 96)
+    packed, absmax = torch.zeros(words, dtype=torch.int32), torch.zeros(n_abs, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="B_packed has .* expected"):
+        F.unrepack_kbit(packed[:-1], absmax, 3, 40, 96)
+    with pytest.raises(ValueError, match="B_absmax"):
+        F.unrepack_kbit(packed, absmax[:-1], 3, 40, 96)
+    with pytest.raises(RuntimeError, match="k=6"):
+        F.unrepack_kbit(packed, absmax, 6, 40, 96)
 
 
 @pytest.mark.parametrize("k", KS)

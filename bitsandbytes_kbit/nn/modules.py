@@ -29,7 +29,6 @@ from torch import nn
 
 from .. import functional as kbit_F
 from .._ops import BLOCKSIZE, GEMM_DTYPES, SUPPORTED_K
-from ..backends.default.tiled_layout import unrepack_kbit_reference
 
 __all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
 
@@ -105,7 +104,7 @@ def _dequantize_padded(packed, absmax, codebook, k: int, N: int, K_pad: int, dty
 
 def _flat_from_tiled(weight, absmax, k: int, N: int, K_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat (checkpoint) words and scales of a repacked weight, bit-exact (pure PyTorch, any device)."""
-    return unrepack_kbit_reference(weight.reshape(-1), absmax.reshape(-1), k, N, K_pad)
+    return kbit_F.unrepack_kbit(weight, absmax, k, N, K_pad)
 
 
 def _dequantize_stored(weight, absmax, codebook, k: int, N: int, K_pad: int, dtype: torch.dtype, tiled: bool):

@@ -4,7 +4,7 @@ The flat (checkpoint) format: block i = 32 consecutive k of one row n (block id 
 packed words [i*k, i*k+k), word b holds bit b of the 32 indices (element j in bit j); one absmax per
 block (uint8 E4M4 or float16).
 
-The tiled format (owned by the repack kernel; the constants below MUST equal csrc/kbit_gemm.cuh):
+The tiled format (owned by the repack kernel; its constants live in bitsandbytes_kbit/_format.py):
   * N is padded to a multiple of UNIT_ROWS = 16 and K_dim to UNIT_K = 128; padding gets index 0 and
     absmax 0 (so it contributes 0).
   * unit (n16, kstep) = rows [16*n16, +16) x k [128*kstep, +128); units are stored n16-major:
@@ -27,13 +27,9 @@ import functools
 
 import torch
 
-# ---- constants of the tiled layout: must equal kbit::UNIT_ROWS, UNIT_K, BLOCK_ELEMS, UNIT_ABSMAX in
-# csrc/kbit_gemm.cuh (and TiledFormat<K_BITS>) ----
-BLOCK_ELEMS = 32
-UNIT_ROWS = 16
-UNIT_K = 128
-UNIT_BLOCKS = UNIT_K // BLOCK_ELEMS  # 4
-UNIT_ABSMAX = UNIT_ROWS * UNIT_BLOCKS  # 64
+from ..._format import BLOCKSIZE as BLOCK_ELEMS
+from ..._format import UNIT_ABSMAX, UNIT_BLOCKS, UNIT_K, UNIT_ROWS, tiled_sizes  # noqa: F401  (tiled_sizes: re-exported)
+
 LANES = 32
 
 
@@ -41,12 +37,6 @@ def _format(k: int):
     """(lo_bits_per_elem, lo_field_bits, lane_words) of TiledFormat<k>."""
     lo_bits_per_elem = 4 if k >= 4 else 2
     return lo_bits_per_elem, 2 * lo_bits_per_elem, 2 * k
-
-
-def tiled_sizes(k: int, N: int, K_dim: int) -> tuple[int, int]:
-    """(number of int32 words, number of absmax entries) of the tiled layout."""
-    units = ((N + UNIT_ROWS - 1) // UNIT_ROWS) * ((K_dim + UNIT_K - 1) // UNIT_K)
-    return units * 64 * k, units * UNIT_ABSMAX
 
 
 @functools.cache  # pure function of k; rebuilding it dominated small repacks
