@@ -1,0 +1,172 @@
+"""Bad input, checkpoints and concurrency (issue 66): each case either raises a clear error naming
+the argument, the value and what is expected, or behaves correctly."""
+
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+from conftest import seeded
+from torch import nn
+
+import bitsandbytes_kbit.functional as F
+from bitsandbytes_kbit.nn import LinearKbit
+
+
+def make_linear(in_features, out_features, *seed, scale=0.05):
+    g = seeded("robust-linear", in_features, out_features, *seed)
+    lin = nn.Linear(in_features, out_features)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_features, in_features, generator=g) * scale)
+        lin.bias.copy_(torch.randn(out_features, generator=g) * 0.1)
+    return lin
+
+
+def reference(module: LinearKbit, x: torch.Tensor) -> torch.Tensor:
+    W = module.dequantize(torch.float32).double()
+    return x.double() @ W.t() + module.bias.double()
+
+
+# ---------------------------------------------------------------- loading is transactional
+
+
+def _state(k=4, codebook="nf"):
+    module = LinearKbit.from_linear(make_linear(70, 48, "sd", k), k=k, codebook=codebook)
+    return module, {key: v.clone() for key, v in module.state_dict().items()}
+
+
+def _snapshot(module):
+    return {key: (v.dtype, tuple(v.shape), v.clone()) for key, v in module.state_dict().items()}
+
+
+def _assert_unchanged(module, before):
+    after = module.state_dict()
+    assert set(after) == set(before)
+    for key, (dtype, shape, value) in before.items():
+        assert after[key].dtype == dtype and tuple(after[key].shape) == shape and torch.equal(after[key], value), key
+
+
+@pytest.mark.parametrize("missing", ["absmax", "codebook", "kbit_format"])
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "nonstrict"])
+def test_load_with_a_missing_key_changes_nothing(missing, strict):
+    source, sd = _state()
+    target = LinearKbit.from_linear(make_linear(70, 48, "target"), k=3)
+    before = _snapshot(target)
+    x = torch.randn(2, 70, generator=seeded("missing-x", missing))
+    y_before = target(x)
+    del sd[missing]
+    with pytest.raises(RuntimeError, match=f"lacks {missing}"):
+        target.load_state_dict(sd, strict=strict)
+    _assert_unchanged(target, before)
+    assert torch.equal(target(x), y_before)
+
+
+def test_load_rejects_bad_tensors_before_changing_anything():
+    source, sd = _state(k=3, codebook="uniform")  # 7 levels: a shorter codebook is legal, out-of-range indices not
+    cases = {
+        "truncated weight": (dict(sd, weight=sd["weight"][:-3]), r"weight is torch.int32 \(\d+,\); expected int32"),
+        "k=7": (dict(sd, kbit_format=torch.tensor([1, 7, 48, 70, 96], dtype=torch.int32)), r"k=7 is not supported"),
+        "absmax length": (dict(sd, absmax=sd["absmax"][:-1]), r"absmax is torch.uint8"),
+        "codebook dtype": (dict(sd, codebook=sd["codebook"].double()), r"codebook is torch.float64"),
+        "codebook too long": (dict(sd, codebook=torch.linspace(-1, 1, 9)), r"expected float32 with 1..8 entries"),
+        "codebook too short": (dict(sd, codebook=sd["codebook"][:3].contiguous()), r"uses index [3-6]"),
+        "padded": (dict(sd, kbit_format=torch.tensor([1, 3, 48, 70, 64], dtype=torch.int32)), "padded_in_features=64"),
+        "version 0": (dict(sd, kbit_format=torch.tensor([0, 3, 48, 70, 96], dtype=torch.int32)), "format version 0"),
+    }
+    for name, (bad, message) in cases.items():
+        for target in (LinearKbit(70, 48, k=4), LinearKbit.from_linear(make_linear(70, 48, "t2"), k=5)):
+            before = _snapshot(target)
+            with pytest.raises(RuntimeError, match=message):
+                target.load_state_dict(bad)
+            _assert_unchanged(target, before)
+    # the untouched state still loads, and a codebook exactly as long as the indices need is accepted
+    target = LinearKbit(70, 48, k=4)
+    target.load_state_dict(sd)
+    x = torch.randn(2, 70, generator=seeded("bad-x"))
+    assert torch.equal(target(x), source(x))
+
+
+# ---------------------------------------------------------------- thread safety of the lazy quantize / repack
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["flat", "tiled"])
+def test_concurrent_first_forward(fused):
+    lin = make_linear(512, 384, "threads", fused)
+    x = torch.randn(4, 512, generator=seeded("threads-x", fused), dtype=torch.float32).to(torch.bfloat16)
+    expected = LinearKbit.from_linear(lin, k=4)
+    expected.fused_device_types = ("cpu",) if fused else ()
+    y_ref = expected(x)
+    for trial in range(6):
+        module = LinearKbit(512, 384, k=4)
+        module.fused_device_types = ("cpu",) if fused else ()
+        with torch.no_grad():
+            module.weight.copy_(lin.weight)
+            module.bias.copy_(lin.bias)
+        barrier = threading.Barrier(4)
+        outputs, errors = [None] * 4, []
+
+        def run(i):
+            try:
+                barrier.wait()
+                outputs[i] = module(x)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert module._tiled == fused
+        for y in outputs + [module(x)]:
+            assert torch.equal(y, y_ref), f"trial {trial}"
+
+
+def test_module_with_lock_pickles_and_deepcopies():
+    module = LinearKbit.from_linear(make_linear(64, 32, "pickle"), k=4)
+    module.fused_device_types = ("cpu",)
+    x = torch.randn(3, 64, generator=seeded("pickle-x")).bfloat16()
+    y = module(x)
+    for clone in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert torch.equal(clone(x), y)
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False)(x), y)
+
+
+# ---------------------------------------------------------------- LinearKbit input checks
+
+
+def test_linear_kbit_rejects_bad_inputs():
+    module = LinearKbit.from_linear(make_linear(64, 32, "inputs"), k=4)
+    with pytest.raises(TypeError, match=r"input has dtype torch.int64; expected a floating-point"):
+        module(torch.ones(2, 64, dtype=torch.int64))
+    with pytest.raises(ValueError, match="0-d tensor"):
+        module(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="input has 63 features; expected in_features=64"):
+        module(torch.ones(2, 63))
+    for name, args in (("in_features", (0, 8)), ("out_features", (8, 0)), ("in_features", (8.0, 8))):
+        with pytest.raises(ValueError, match=f"{name}=.*expected an integer >= 1"):
+            LinearKbit(*args)
+
+
+def test_from_linear_above_the_e4m4_range_names_what_to_do():
+    lin = make_linear(64, 32, "big")
+    with torch.no_grad():
+        lin.weight[3, 5] = 40.0
+    with pytest.raises(ValueError, match=r"max \|w\| = 40.*E4M4.*scale the weight down") as info:
+        LinearKbit.from_linear(lin, k=4)
+    assert "absmax_format" not in str(info.value)  # LinearKbit has no such option
+
+
+def test_float_cast_of_the_packed_weight_is_explained():
+    module = LinearKbit.from_linear(make_linear(64, 32, "qlora"), k=4)
+    for p in module.parameters():  # the common QLoRA recipe
+        if p.ndim == 1:
+            p.data = p.data.to(torch.float32)
+    with pytest.raises(RuntimeError, match=r"weight is a torch.float32 tensor of shape \(256,\).*cast to float"):
+        module(torch.randn(2, 64))
