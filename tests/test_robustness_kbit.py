@@ -5,6 +5,7 @@ import copy
 import io
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -91,15 +92,45 @@ def test_load_rejects_bad_tensors_before_changing_anything():
 # ---------------------------------------------------------------- thread safety of the lazy quantize / repack
 
 
+def _slowed(fn, calls):
+    """fn, sleeping first (the GIL is released): widens the window in which threads race. Counts calls."""
+
+    def slow(*args, **kwargs):
+        calls.append(fn.__name__)
+        time.sleep(0.02)
+        return fn(*args, **kwargs)
+
+    return slow
+
+
+class _SlowLayoutFlag(LinearKbit):
+    """Reading the layout flag yields the GIL: the check-then-convert window of a racy lazy repack."""
+
+    @property
+    def _tiled(self):
+        time.sleep(0.01)
+        return self.__dict__["_tiled_flag"]
+
+    @_tiled.setter
+    def _tiled(self, value):
+        self.__dict__["_tiled_flag"] = value
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["flat", "tiled"])
-def test_concurrent_first_forward(fused):
+def test_concurrent_first_forward(fused, monkeypatch):
+    calls = []
+    monkeypatch.setattr(F, "repack_kbit", _slowed(F.repack_kbit, calls))
+    monkeypatch.setattr(F, "quantize_kbit", _slowed(F.quantize_kbit, calls))
     lin = make_linear(512, 384, "threads", fused)
     x = torch.randn(4, 512, generator=seeded("threads-x", fused), dtype=torch.float32).to(torch.bfloat16)
     expected = LinearKbit.from_linear(lin, k=4)
     expected.fused_device_types = ("cpu",) if fused else ()
     y_ref = expected(x)
-    for trial in range(6):
-        module = LinearKbit(512, 384, k=4)
+    rng = seeded("threads-delays", fused)
+    for trial in range(8):
+        delays = (torch.rand(4, generator=rng) * 0.04).tolist()
+        calls.clear()
+        module = _SlowLayoutFlag(512, 384, k=4)
         module.fused_device_types = ("cpu",) if fused else ()
         with torch.no_grad():
             module.weight.copy_(lin.weight)
@@ -110,6 +141,7 @@ def test_concurrent_first_forward(fused):
         def run(i):
             try:
                 barrier.wait()
+                time.sleep(delays[i])
                 outputs[i] = module(x)
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
@@ -121,6 +153,8 @@ def test_concurrent_first_forward(fused):
             t.join()
         assert not errors, errors
         assert module._tiled == fused
+        # quantized once, and repacked once on the fused path
+        assert sorted(calls) == (["quantize_kbit", "repack_kbit"] if fused else ["quantize_kbit"]), calls
         for y in outputs + [module(x)]:
             assert torch.equal(y, y_ref), f"trial {trial}"
 
