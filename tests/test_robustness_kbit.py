@@ -204,3 +204,77 @@ def test_float_cast_of_the_packed_weight_is_explained():
             p.data = p.data.to(torch.float32)
     with pytest.raises(RuntimeError, match=r"weight is a torch.float32 tensor of shape \(256,\).*cast to float"):
         module(torch.randn(2, 64))
+
+
+# ---------------------------------------------------------------- functional API: arguments and data
+
+
+def test_unclear_argument_errors_name_the_argument():
+    A = torch.randn(64, generator=seeded("args"))
+    packed, absmax, cb = F.quantize_kbit(A, k=4)
+    for bad in (4.0, "4", True):
+        with pytest.raises(TypeError, match=rf"k={bad!r} is a {type(bad).__name__}; expected an int"):
+            F.quantize_kbit(A, k=bad)
+        with pytest.raises(TypeError, match="expected an int"):
+            F.dequantize_kbit(packed, absmax, cb, k=bad, n=64)
+    with pytest.raises(TypeError, match=r"n=64.0 is a float; expected an int"):
+        F.dequantize_kbit(packed, absmax, cb, k=4, n=64.0)
+    with pytest.raises(ValueError, match=r"n=9223372036854775808 is out of range"):
+        F.dequantize_kbit(packed, absmax, cb, k=4, n=2**63)
+    with pytest.raises(ValueError, match=r"absmax_format=\['e4m4'\] is not supported"):
+        F.quantize_kbit(A, absmax_format=["e4m4"])
+    with pytest.raises(ValueError, match="A is on the meta device"):
+        F.quantize_kbit(torch.empty(64, device="meta"))
+    W = torch.randn(32, 64, generator=seeded("args-W")) * 0.1
+    p2, a2, cb2 = F.quantize_kbit(W, k=4)
+    Bp, Ba = F.repack_kbit(p2, a2, 4, 32, 64)
+    x = torch.randn(2, 64, dtype=torch.float16)
+    with pytest.raises(TypeError, match="kbit_gemm: codebook is NoneType; expected the float32 tensor"):
+        F.kbit_gemm(x, Bp, Ba, None, 4, 32, 64)
+    with pytest.raises(TypeError, match=r"repack_kbit: N=32.0 is a float"):
+        F.repack_kbit(p2, a2, 4, 32.0, 64)
+    import numpy as np
+
+    assert torch.equal(F.dequantize_kbit(packed, absmax, cb, k=np.int64(4), n=np.int64(64)), F.dequantize_kbit(packed, absmax, cb, 4, 64))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_dequantize_with_the_unsorted_user_codebook(k):
+    g = seeded("unsorted", k)
+    user = torch.randn(2**k, generator=g)  # any order
+    A = torch.randn(200, generator=g)
+    packed, absmax, cb = F.quantize_kbit(A, k=k, codebook=user)
+    from_sorted = F.dequantize_kbit(packed, absmax, cb, k, 200, dtype=torch.float32)
+    from_user = F.dequantize_kbit(packed, absmax, user, k, 200, dtype=torch.float32)
+    assert torch.equal(from_user, from_sorted)
+    # independent reference: nearest sorted level times the block's scale
+    scale = F.decode_absmax_e4m4(absmax).repeat_interleave(32)[:200]
+    assert torch.equal(from_sorted, cb[(A[:, None] / scale[:, None] - cb).abs().argmin(1)] * scale)
+
+
+def _too_short_codebook_case(device):
+    A = torch.linspace(-1, 1, 96, device=device)
+    packed, absmax, cb = F.quantize_kbit(A, k=3, codebook="uniform")  # 7 levels, indices 0..6
+    return packed, absmax, cb[:4].contiguous()
+
+
+def test_codebook_shorter_than_the_indices_is_an_error():
+    packed, absmax, short = _too_short_codebook_case("cpu")
+    with pytest.raises(ValueError, match=r"codebook has 4 entries but packed holds index 6"):
+        F.dequantize_kbit(packed, absmax, short, 3, 96)
+    with pytest.raises(ValueError, match=r"codebook has 4 entries"):
+        F.dequantize_kbit(packed, absmax, short, 3, 96, out=torch.empty(96, dtype=torch.float16))
+
+
+@pytest.mark.cuda
+def test_codebook_shorter_than_the_indices_is_an_error_cuda():
+    packed, absmax, short = _too_short_codebook_case("cuda")
+    with pytest.raises(ValueError, match=r"codebook has 4 entries but packed holds index 6"):
+        F.dequantize_kbit(packed, absmax, short, 3, 96)
+
+
+def test_quantize_compiles_fullgraph():
+    A = torch.randn(4, 64, generator=seeded("compile-q"))
+    compiled = torch.compile(lambda a: F.quantize_kbit(a, k=3), fullgraph=True, backend="eager")
+    for got, want in zip(compiled(A), F.quantize_kbit(A, k=3)):
+        assert torch.equal(got, want)

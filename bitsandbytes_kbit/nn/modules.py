@@ -30,6 +30,7 @@ from torch import nn
 
 from .. import functional as kbit_F
 from .._ops import ABSMAX_DTYPES, BLOCKSIZE, GEMM_DTYPES, SUPPORTED_K, check_k
+from ..backends.default.ops import max_index
 from ..backends.default.tiled_layout import unrepack_kbit_reference
 
 __all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
@@ -41,7 +42,6 @@ _FORMAT_FIELDS = ("format_version", "k", "out_features", "in_features", "padded_
 # Serializes the lazy quantize / repack of every LinearKbit (taken only when the layout changes, see
 # LinearKbit._ensure_layout). Module-level, so modules stay picklable and deep-copyable.
 _LAYOUT_LOCK = threading.RLock()
-_INDEX_CHECK_BLOCKS = 1 << 16  # blocks per step when checking packed indices against a short codebook
 
 
 def padded_features(in_features: int) -> int:
@@ -129,21 +129,6 @@ def _dequantize_stored(weight, absmax, codebook, k: int, N: int, K_pad: int, dty
             return torch.ops.bitsandbytes.dequantize_kbit_tiled(weight, absmax, codebook, k, N, K_pad, dtype)
         weight, absmax = _flat_from_tiled(weight, absmax, k, N, K_pad)
     return _dequantize_padded(weight, absmax, codebook, k, N, K_pad, dtype)
-
-
-def _max_index(packed: torch.Tensor, k: int) -> int:
-    """The largest codebook index stored in flat packed words (bit-plane layout), in chunks."""
-    words = packed.reshape(-1, k)
-    shifts = torch.arange(BLOCKSIZE, device=packed.device)
-    top = 0
-    for start in range(0, words.shape[0], _INDEX_CHECK_BLOCKS):
-        w = words[start : start + _INDEX_CHECK_BLOCKS].to(torch.int64) & 0xFFFFFFFF
-        idx = torch.zeros(w.shape[0], BLOCKSIZE, dtype=torch.int64, device=packed.device)
-        for b in range(k):
-            idx |= ((w[:, b : b + 1] >> shifts) & 1) << b
-        if idx.numel():
-            top = max(top, int(idx.max()))
-    return top
 
 
 class _KbitLinearFunction(torch.autograd.Function):
@@ -475,7 +460,7 @@ class LinearKbit(nn.Linear):
         if codebook.device.type != "meta" and not bool(torch.isfinite(codebook).all()):
             return f"{prefix}codebook contains NaN or Inf; expected finite values"
         if codebook.numel() < 2**k and weight.device.type != "meta":
-            top = _max_index(weight, k)
+            top = max_index(weight, k)
             if top >= codebook.numel():
                 return (
                     f"{prefix}codebook has {codebook.numel()} entries but the packed weight uses index {top}; "
