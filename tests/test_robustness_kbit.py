@@ -6,6 +6,7 @@ import io
 import pickle
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -278,3 +279,32 @@ def test_quantize_compiles_fullgraph():
     compiled = torch.compile(lambda a: F.quantize_kbit(a, k=3), fullgraph=True, backend="eager")
     for got, want in zip(compiled(A), F.quantize_kbit(A, k=3)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind,k", [("nf", 2), ("nf", 3), ("nf", 4), ("nf", 5), ("uniform", 2), ("uniform", 4), ("fp4", 4)])
+def test_error_bound_across_the_e4m4_range(kind, k):
+    """docs/format.md: the relative bound for amax >= 2^-10, the absolute one below (E4M4 subnormals)."""
+    g = seeded("bound", kind, k)
+    amax = torch.exp(torch.empty(4000).uniform_(-17.0, 3.4, generator=g))  # 4e-8 .. 30
+    x = (torch.rand(4000, 32, generator=g) * 2 - 1) * amax[:, None]
+    x[torch.arange(4000), torch.randint(0, 32, (4000,), generator=g)] = amax  # the block's max is amax
+    packed, absmax, cb = F.quantize_kbit(x, k=k, codebook=kind)
+    value = F.dequantize_kbit(packed, absmax, cb, k, x.numel(), torch.float32).view_as(x).double()
+    err = (x.double() - value).abs()
+    gap = float((cb[1:] - cb[:-1]).max())
+    a = amax.double()[:, None]
+    normal = a >= 2**-10
+    relative = (gap / 2 + 1 / 16) * a + 1e-6
+    absolute = (gap / 2) * (a + 2**-14) + 2**-15
+    assert bool((err <= relative)[normal.expand_as(err)].all())
+    assert bool((err <= absolute)[(~normal).expand_as(err)].all())
+
+
+def test_tensor_below_the_e4m4_normal_range_warns():
+    A = torch.randn(256, generator=seeded("tiny")) * 1e-5
+    with pytest.warns(UserWarning, match=r"below the E4M4 normal range.*absmax_format='fp16'"):
+        F.quantize_kbit(A, k=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.quantize_kbit(A, k=4, absmax_format="fp32")
+        F.quantize_kbit(A * 1e3, k=4)
