@@ -46,7 +46,7 @@ def _normal_float_levels(k: int) -> torch.Tensor:
     """2^k levels at the means of N(0, 1) over 2^k equiprobable bins, scaled to max |level| = 1.
     The mean of bin (a, b) is (pdf(a) - pdf(b)) / (cdf(b) - cdf(a)), with cdf(b) - cdf(a) = 2^-k."""
     bins = 2**k
-    edges = torch.special.ndtri(torch.arange(bins + 1, dtype=torch.float64) / bins)  # -inf .. +inf
+    edges = torch.special.ndtri(torch.arange(bins + 1, dtype=torch.float64, device="cpu") / bins)  # -inf .. +inf
     pdf = torch.exp(-0.5 * edges**2) / (2 * torch.pi) ** 0.5
     pdf = torch.where(torch.isfinite(edges), pdf, torch.zeros_like(pdf))
     levels = (pdf[:-1] - pdf[1:]) * bins
@@ -56,13 +56,14 @@ def _normal_float_levels(k: int) -> torch.Tensor:
 def _uniform_levels(k: int) -> torch.Tensor:
     """The symmetric integer grid -(2^(k-1) - 1) .. 2^(k-1) - 1, scaled to [-1, 1] (2^k - 1 levels, zero exact)."""
     half = 2 ** (k - 1) - 1
-    return torch.arange(-half, half + 1, dtype=torch.float32) / half
+    return torch.arange(-half, half + 1, dtype=torch.float32, device="cpu") / half
 
 
 def _fp4_e2m1_levels() -> torch.Tensor:
     """The 15 distinct FP4 E2M1 values (+0 and -0 are one), scaled by 1/6 to [-1, 1]."""
-    # dtype explicit: transformers loads under a bfloat16 default dtype, and this tensor is cached
-    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+    # dtype and device explicit: transformers builds models under a default dtype and a meta default
+    # device, and the built-in codebooks are cached
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32, device="cpu")
     return torch.cat([-magnitudes.flip(0)[:-1], magnitudes]) / 6.0
 
 

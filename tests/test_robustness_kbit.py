@@ -308,3 +308,8 @@ def test_tensor_below_the_e4m4_normal_range_warns():
         warnings.simplefilter("error")
         F.quantize_kbit(A, k=4, absmax_format="fp32")
         F.quantize_kbit(A * 1e3, k=4)
+
+
+def test_weight_numel_is_the_logical_count():
+    module = LinearKbit.from_linear(make_linear(70, 48, "numel"), k=3)
+    assert module.weight_numel == 70 * 48 and module.weight.numel() == 48 * 96 // 32 * 3

@@ -290,6 +290,12 @@ class LinearKbit(nn.Linear):
     # ------------------------------------------------------------------ quantized state
 
     @property
+    def weight_numel(self) -> int:
+        """The number of weights the layer represents (out_features * in_features), whatever their storage;
+        ``weight.numel()`` counts packed int32 words once quantized."""
+        return self.out_features * self.in_features
+
+    @property
     def is_quantized(self) -> bool:
         return not self.weight.is_floating_point()
 
