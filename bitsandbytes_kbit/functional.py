@@ -17,9 +17,8 @@ import torch
 
 from . import _ops  # noqa: F401  (defines the torch.library ops)
 from ._ops import check_int, check_k
-from .backends.default.ops import check_indices_in_codebook
+from .backends.default.ops import check_indices_in_codebook, e4m4_table
 from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
-from .backends.default.ops import e4m4_table
 from .backends.default.ops import encode_absmax_e4m4 as _encode_e4m4
 
 __all__ = [

@@ -53,7 +53,7 @@ def _assert_unchanged(module, before):
 @pytest.mark.parametrize("missing", ["absmax", "codebook", "kbit_format"])
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "nonstrict"])
 def test_load_with_a_missing_key_changes_nothing(missing, strict):
-    source, sd = _state()
+    _, sd = _state()
     target = LinearKbit.from_linear(make_linear(70, 48, "target"), k=3)
     before = _snapshot(target)
     x = torch.randn(2, 70, generator=seeded("missing-x", missing))
@@ -77,7 +77,7 @@ def test_load_rejects_bad_tensors_before_changing_anything():
         "padded": (dict(sd, kbit_format=torch.tensor([1, 3, 48, 70, 64], dtype=torch.int32)), "padded_in_features=64"),
         "version 0": (dict(sd, kbit_format=torch.tensor([0, 3, 48, 70, 96], dtype=torch.int32)), "format version 0"),
     }
-    for name, (bad, message) in cases.items():
+    for bad, message in cases.values():
         for target in (LinearKbit(70, 48, k=4), LinearKbit.from_linear(make_linear(70, 48, "t2"), k=5)):
             before = _snapshot(target)
             with pytest.raises(RuntimeError, match=message):
@@ -139,7 +139,7 @@ def test_concurrent_first_forward(fused, monkeypatch):
         barrier = threading.Barrier(4)
         outputs, errors = [None] * 4, []
 
-        def run(i):
+        def run(i, module=module, barrier=barrier, delays=delays, outputs=outputs, errors=errors):
             try:
                 barrier.wait()
                 time.sleep(delays[i])
@@ -227,7 +227,7 @@ def test_unclear_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="A is on the meta device"):
         F.quantize_kbit(torch.empty(64, device="meta"))
     W = torch.randn(32, 64, generator=seeded("args-W")) * 0.1
-    p2, a2, cb2 = F.quantize_kbit(W, k=4)
+    p2, a2, _ = F.quantize_kbit(W, k=4)
     Bp, Ba = F.repack_kbit(p2, a2, 4, 32, 64)
     x = torch.randn(2, 64, dtype=torch.float16)
     with pytest.raises(TypeError, match="kbit_gemm: codebook is NoneType; expected the float32 tensor"):
@@ -313,3 +313,32 @@ def test_tensor_below_the_e4m4_normal_range_warns():
 def test_weight_numel_is_the_logical_count():
     module = LinearKbit.from_linear(make_linear(70, 48, "numel"), k=3)
     assert module.weight_numel == 70 * 48 and module.weight.numel() == 48 * 96 // 32 * 3
+
+
+@pytest.mark.cuda
+def test_concurrent_first_forward_cuda():
+    lin = make_linear(512, 384, "threads-cuda")
+    x = torch.randn(4, 512, generator=seeded("threads-cuda-x")).to(device="cuda", dtype=torch.bfloat16)
+    y_ref = LinearKbit.from_linear(lin, k=4).cuda()(x)
+    for _ in range(5):
+        module = LinearKbit(512, 384, k=4, device="cuda")  # float weight on CUDA: quantized at the first forward
+        module.quantize_on_move_device_types = ()
+        with torch.no_grad():
+            module.weight.copy_(lin.weight)
+            module.bias.copy_(lin.bias)
+        barrier = threading.Barrier(4)
+        outputs = [None] * 4
+
+        def run(i, module=module, barrier=barrier, outputs=outputs):
+            barrier.wait()
+            outputs[i] = module(x)
+            torch.cuda.synchronize()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert module._tiled
+        for y in outputs + [module(x)]:
+            assert torch.equal(y, y_ref)

@@ -87,7 +87,7 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
         if isinstance(bnb_kbit_codebook, torch.Tensor):
             bnb_kbit_codebook = bnb_kbit_codebook.tolist()
         if not isinstance(bnb_kbit_codebook, (str, list, tuple)):
-            raise ValueError(
+            raise TypeError(
                 f"BitsAndBytesKbitConfig: bnb_kbit_codebook={bnb_kbit_codebook!r}; expected one of {_CODEBOOK_NAMES} "
                 "or a list of numbers"
             )
