@@ -25,9 +25,19 @@ def num_blocks(n: int) -> int:
     return (n + BLOCKSIZE - 1) // BLOCKSIZE
 
 
+def check_int(op: str, name: str, value, low: int = 0) -> None:
+    """value is a Python int (not a bool, float or string) in [low, 2^63)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{op}: {name}={value!r} is a {type(value).__name__}; expected an int")
+    if not isinstance(value, torch.SymInt) and not low <= value.__index__() < 2**63:
+        raise ValueError(f"{op}: {name}={value} is out of range; expected {low} <= {name} < 2^63")
+
+
 def check_k(op: str, k: int) -> None:
     # k is a Python int: a plain check, which Dynamo folds (torch 2.11 graph-breaks on torch._check
     # whose message closure it cannot evaluate).
+    if isinstance(k, bool) or not hasattr(type(k), "__index__"):
+        raise TypeError(f"{op}: k={k!r} is a {type(k).__name__}; expected an int, one of {SUPPORTED_K}")
     if k not in SUPPORTED_K:
         raise RuntimeError(f"{op}: k={k} is not supported; expected one of {SUPPORTED_K}")
 

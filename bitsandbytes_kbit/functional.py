@@ -10,14 +10,15 @@ Quick start::
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Union
 
 import torch
 
 from . import _ops  # noqa: F401  (defines the torch.library ops)
-from ._ops import GEMM_DTYPES, check_gemm_args, check_k, check_out
+from ._ops import GEMM_DTYPES, check_gemm_args, check_int, check_k, check_out
+from .backends.default.ops import check_indices_in_codebook, e4m4_table
 from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
-from .backends.default.ops import e4m4_table
 from .backends.default.ops import encode_absmax_e4m4 as _encode_e4m4
 from .backends.default.tiled_layout import unrepack_kbit_reference as _unrepack_reference
 
@@ -35,6 +36,7 @@ __all__ = [
 CODEBOOK_KINDS = ("nf", "uniform", "fp4")
 ABSMAX_FORMATS = {"e4m4": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
 E4M4_MAX = float(e4m4_table()[-1])  # 31.0
+E4M4_MIN_NORMAL = 2.0**-10  # below it the codes are 2^-14 apart (absolute), not 1/16 relative
 _FP16_MAX = torch.finfo(torch.float16).max
 
 _codebook_cache: dict[tuple[str, int, str], torch.Tensor] = {}
@@ -44,7 +46,7 @@ def _normal_float_levels(k: int) -> torch.Tensor:
     """2^k levels at the means of N(0, 1) over 2^k equiprobable bins, scaled to max |level| = 1.
     The mean of bin (a, b) is (pdf(a) - pdf(b)) / (cdf(b) - cdf(a)), with cdf(b) - cdf(a) = 2^-k."""
     bins = 2**k
-    edges = torch.special.ndtri(torch.arange(bins + 1, dtype=torch.float64) / bins)  # -inf .. +inf
+    edges = torch.special.ndtri(torch.arange(bins + 1, dtype=torch.float64, device="cpu") / bins)  # -inf .. +inf
     pdf = torch.exp(-0.5 * edges**2) / (2 * torch.pi) ** 0.5
     pdf = torch.where(torch.isfinite(edges), pdf, torch.zeros_like(pdf))
     levels = (pdf[:-1] - pdf[1:]) * bins
@@ -54,12 +56,14 @@ def _normal_float_levels(k: int) -> torch.Tensor:
 def _uniform_levels(k: int) -> torch.Tensor:
     """The symmetric integer grid -(2^(k-1) - 1) .. 2^(k-1) - 1, scaled to [-1, 1] (2^k - 1 levels, zero exact)."""
     half = 2 ** (k - 1) - 1
-    return torch.arange(-half, half + 1, dtype=torch.float32) / half
+    return torch.arange(-half, half + 1, dtype=torch.float32, device="cpu") / half
 
 
 def _fp4_e2m1_levels() -> torch.Tensor:
     """The 15 distinct FP4 E2M1 values (+0 and -0 are one), scaled by 1/6 to [-1, 1]."""
-    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    # dtype and device explicit: transformers builds models under a default dtype and a meta default
+    # device, and the built-in codebooks are cached
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32, device="cpu")
     return torch.cat([-magnitudes.flip(0)[:-1], magnitudes]) / 6.0
 
 
@@ -84,7 +88,7 @@ def create_codebook(kind: str = "nf", k: int = 4, device=None) -> torch.Tensor:
     if key not in _codebook_cache:
         levels = {"nf": _normal_float_levels, "uniform": _uniform_levels}.get(kind)
         cb = levels(k) if levels is not None else _fp4_e2m1_levels()
-        _codebook_cache[key] = cb.to(device)
+        _codebook_cache[key] = cb.to(device=device, dtype=torch.float32)
     return _codebook_cache[key]
 
 
@@ -155,13 +159,16 @@ def quantize_kbit(
     """
     if not isinstance(A, torch.Tensor):
         raise TypeError(f"quantize_kbit: A is a {type(A).__name__}; expected a torch.Tensor")
-    if absmax_format not in ABSMAX_FORMATS:
+    if A.device.type == "meta":
+        raise ValueError("quantize_kbit: A is on the meta device (it holds no values); expected a materialized tensor")
+    if not isinstance(absmax_format, str) or absmax_format not in ABSMAX_FORMATS:
         raise ValueError(
             f"quantize_kbit: absmax_format={absmax_format!r} is not supported; expected one of {tuple(ABSMAX_FORMATS)}"
         )
     cb = resolve_codebook(codebook, k, A.device)
     limit = {"e4m4": E4M4_MAX, "fp16": _FP16_MAX}.get(absmax_format)
-    if limit is not None and A.numel() and A.is_floating_point():
+    # Data-dependent (one sync), so not traced: under torch.compile the backend op checks finiteness.
+    if limit is not None and A.numel() and A.is_floating_point() and not torch.compiler.is_compiling():
         amax = float(A.detach().abs().max())
         if not math.isfinite(amax):
             raise ValueError("quantize_kbit: A contains NaN or Inf; expected finite values")
@@ -169,6 +176,14 @@ def quantize_kbit(
             raise ValueError(
                 f"quantize_kbit: max |A| = {amax:g} exceeds the largest {absmax_format} absmax ({limit:g}); "
                 "use absmax_format='fp32' (or 'fp16' up to 65504), or scale A down first"
+            )
+        if absmax_format == "e4m4" and 0 < amax < E4M4_MIN_NORMAL:
+            warnings.warn(
+                f"quantize_kbit: max |A| = {amax:g} is below the E4M4 normal range ({E4M4_MIN_NORMAL:g}); there the "
+                "scale has an absolute step of 2^-14, and the error bound is the weaker one of docs/format.md. "
+                "Use absmax_format='fp16' or 'fp32', or scale A up first",
+                UserWarning,
+                stacklevel=2,
             )
     packed, absmax = torch.ops.bitsandbytes.quantize_kbit(A, cb, k, ABSMAX_FORMATS[absmax_format])
     return packed, absmax, cb
@@ -186,12 +201,26 @@ def dequantize_kbit(
     """Dequantize n elements (a flat tensor; ``.view(shape)`` it back). absmax may be uint8
     (E4M4), float16 or float32 and is dispatched on its dtype. With ``out`` (contiguous, [n],
     ``dtype``, same device) the result is written in place and nothing is allocated, which CUDA
-    graphs need."""
+    graphs need.
+
+    A tensor codebook is sorted, as ``quantize_kbit`` sorts it (the indices refer to the sorted
+    levels), so the codebook given to ``quantize_kbit`` and the one it returned give the same
+    values. A codebook shorter than 2^k must have an entry for every stored index (else ValueError;
+    checking it costs one sync on CUDA)."""
+    check_int("dequantize_kbit", "n", n)
     if isinstance(codebook, torch.Tensor):
         check_k("dequantize_kbit", k)
-        cb = codebook
+        cb = torch.sort(codebook).values if codebook.dim() == 1 else codebook
     else:
         cb = resolve_codebook(codebook, k, packed.device)
+    if (
+        isinstance(packed, torch.Tensor)
+        and packed.device.type == "cuda"
+        and cb.numel() < 2**k
+        and not torch.compiler.is_compiling()
+    ):
+        # The default backend checks this in the op; the CUDA kernel would read 0.0.
+        check_indices_in_codebook("dequantize_kbit", packed.reshape(-1), cb, k)
     if out is not None:
         torch.ops.bitsandbytes.dequantize_kbit.out(packed, absmax, cb, k, n, dtype, out)
         return out
@@ -206,6 +235,9 @@ def repack_kbit(
     format, E4M4 or float16 absmax) into the tiled layout ``kbit_gemm`` reads. Run once at load;
     the result is 2-D ([units, words] int32 and [units, 64] absmax), its layout the kernel's own.
     K must be a multiple of 32; N and K are padded inside as the kernel needs."""
+    check_k("repack_kbit", k)
+    check_int("repack_kbit", "N", N, 1)
+    check_int("repack_kbit", "K", K, 1)
     return torch.ops.bitsandbytes.repack_kbit(packed, absmax, k, N, K)
 
 
@@ -240,6 +272,10 @@ def kbit_gemm(
     A is float16 or bfloat16 of shape [..., K] (leading dims are flattened to M, any M >= 1);
     C has shape [..., N] and A's dtype; accumulation is float32. With ``out`` the result is
     written in place and nothing is allocated (CUDA-graph friendly)."""
+    if not isinstance(codebook, torch.Tensor):
+        raise TypeError(
+            f"kbit_gemm: codebook is {type(codebook).__name__}; expected the float32 tensor quantize_kbit returned"
+        )
     launch = _eager_launcher(A, bias)
     if launch is not None:
         check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K, bias)

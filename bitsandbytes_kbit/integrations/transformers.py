@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps
+from transformers.pytorch_utils import Conv1D
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -85,6 +86,11 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
             )
         if isinstance(bnb_kbit_codebook, torch.Tensor):
             bnb_kbit_codebook = bnb_kbit_codebook.tolist()
+        if not isinstance(bnb_kbit_codebook, (str, list, tuple)):
+            raise TypeError(
+                f"BitsAndBytesKbitConfig: bnb_kbit_codebook={bnb_kbit_codebook!r}; expected one of {_CODEBOOK_NAMES} "
+                "or a list of numbers"
+            )
         if isinstance(bnb_kbit_codebook, str):
             if bnb_kbit_codebook not in _CODEBOOK_NAMES:
                 raise ValueError(
@@ -92,9 +98,19 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
                     "or a list of floats"
                 )
         else:
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in bnb_kbit_codebook):
+                raise ValueError(
+                    f"BitsAndBytesKbitConfig: bnb_kbit_codebook={list(bnb_kbit_codebook)!r}; expected a list of numbers "
+                    f"(at most 2^k finite levels) or one of {_CODEBOOK_NAMES}"
+                )
             bnb_kbit_codebook = [float(v) for v in bnb_kbit_codebook]
-        # Checks the combination (fp4 needs k = 4, a list at most 2^k finite levels) once, here.
-        spec = bnb_kbit_codebook if isinstance(bnb_kbit_codebook, str) else torch.tensor(bnb_kbit_codebook)
+        # Checks the combination (fp4 needs k = 4, a list at most 2^k finite levels) once, here. The CPU is
+        # explicit: transformers builds models under a meta default device.
+        spec = (
+            bnb_kbit_codebook
+            if isinstance(bnb_kbit_codebook, str)
+            else torch.tensor(bnb_kbit_codebook, dtype=torch.float32, device="cpu")
+        )
         kbit_F.resolve_codebook(spec, bnb_kbit_bits, "cpu")
         if kwargs:
             logger.warning("BitsAndBytesKbitConfig: ignoring unknown keys %s", sorted(kwargs))
@@ -113,7 +129,7 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
     def codebook_spec(self) -> str | torch.Tensor:
         """The codebook as ``quantize_kbit`` / ``LinearKbit`` take it: a built-in's name or a CPU tensor."""
         cb = self.bnb_kbit_codebook
-        return cb if isinstance(cb, str) else torch.tensor(cb, dtype=torch.float32)
+        return cb if isinstance(cb, str) else torch.tensor(cb, dtype=torch.float32, device="cpu")
 
     def codebook(self, device=None) -> torch.Tensor:
         """The float32 codebook on ``device``."""
@@ -134,14 +150,19 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
 def replace_with_linear_kbit(
     model: nn.Module, config: BitsAndBytesKbitConfig, modules_to_not_convert: list[str], pre_quantized: bool
 ) -> list[str]:
-    """Replace every ``type(m) is nn.Linear`` not matched by ``modules_to_not_convert`` by a LinearKbit on the
-    meta device: with a float placeholder weight [out, in] for on-the-fly quantization (transformers casts
+    """Replace every ``type(m) is nn.Linear`` or transformers ``Conv1D`` (GPT-2; its weight is [in, out], the
+    transpose of nn.Linear's, and is transposed when quantized) not matched by ``modules_to_not_convert`` by a
+    LinearKbit on the meta device: with a float placeholder weight [out, in] for on-the-fly quantization (transformers casts
     the incoming tensor to the placeholder's dtype before the quantize op runs), with the packed shapes
     for a pre-quantized checkpoint. Returns the names of the replaced modules."""
     replaced = []
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or not should_convert_module(name, modules_to_not_convert):
+        if type(module) not in (nn.Linear, Conv1D) or not should_convert_module(name, modules_to_not_convert):
             continue
+        if isinstance(module, Conv1D):
+            in_features, out_features = module.weight.shape
+        else:
+            in_features, out_features = module.in_features, module.out_features
         kwargs = {
             "bias": module.bias is not None,
             "k": config.bnb_kbit_bits,
@@ -151,9 +172,11 @@ def replace_with_linear_kbit(
             "dtype": module.weight.dtype,
         }
         if pre_quantized:
-            new = LinearKbit.empty_quantized(module.in_features, module.out_features, **kwargs)
+            new = LinearKbit.empty_quantized(in_features, out_features, **kwargs)
         else:
-            new = LinearKbit(module.in_features, module.out_features, **kwargs)
+            new = LinearKbit(in_features, out_features, **kwargs)
+        # The checkpoint of a Conv1D holds the weight as [in, out]: KbitQuantize transposes it.
+        new._kbit_source_transposed = isinstance(module, Conv1D)
         if module.bias is not None:
             new.bias.requires_grad_(module.bias.requires_grad)
         model.set_submodule(name, new)
@@ -181,6 +204,8 @@ class KbitQuantize(ConversionOps):
             if tensor_name != "weight" or not isinstance(module, LinearKbit):
                 raise ValueError(f"KbitQuantize: {name} is not the weight of a LinearKbit")
             expected = (module.out_features, module.in_features)
+            if getattr(module, "_kbit_source_transposed", False):
+                value = value.t()  # a Conv1D weight, [in, out]
             if tuple(value.shape) != expected:
                 raise ValueError(f"KbitQuantize: {name} has shape {tuple(value.shape)}; expected {expected}")
             config = self.hf_quantizer.quantization_config

@@ -21,6 +21,7 @@ the first time the module runs on a device with the fused kernel, then cached on
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as kbit_F
-from .._ops import BLOCKSIZE, GEMM_DTYPES, SUPPORTED_K
+from .._ops import ABSMAX_DTYPES, BLOCKSIZE, GEMM_DTYPES, SUPPORTED_K, check_k
+from ..backends.default.ops import max_index
 
 __all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
 
@@ -36,6 +38,9 @@ __all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
 # the stored tensors changes; the tiled (repacked) layout is not serialized and needs no bump.
 KBIT_FORMAT_VERSION = 1
 _FORMAT_FIELDS = ("format_version", "k", "out_features", "in_features", "padded_in_features")
+# Serializes the lazy quantize / repack of every LinearKbit (taken only when the layout changes, see
+# LinearKbit._ensure_layout). Module-level, so modules stay picklable and deep-copyable.
+_LAYOUT_LOCK = threading.RLock()
 
 
 def padded_features(in_features: int) -> int:
@@ -81,8 +86,17 @@ class ParamsKbit:
             weight.is_floating_point(),
             lambda: f"ParamsKbit.quantize: weight has dtype {weight.dtype}; expected a floating-point tensor",
         )
+        if weight.device.type == "meta":
+            raise ValueError("ParamsKbit.quantize: weight is on the meta device (no values); load or materialize it first")
         out_features, in_features = weight.shape
         W = weight.detach()
+        amax = float(W.abs().max()) if W.numel() else 0.0
+        if amax > kbit_F.E4M4_MAX:
+            raise ValueError(
+                f"LinearKbit: the weight has max |w| = {amax:g}, above the largest E4M4 block scale "
+                f"({kbit_F.E4M4_MAX:g}) that LinearKbit stores; scale the weight down (and the layer's output up "
+                "by the same factor), or keep this layer in float (skip_modules)"
+            )
         pad = padded_features(in_features) - in_features
         if pad:
             W = F.pad(W, (0, pad))
@@ -187,7 +201,10 @@ class LinearKbit(nn.Linear):
         device=None,
         dtype: torch.dtype | None = None,
     ):
-        torch._check(k in SUPPORTED_K, lambda: f"LinearKbit: k={k} is not supported; expected one of {SUPPORTED_K}")
+        check_k("LinearKbit", k)
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LinearKbit: {name}={value!r}; expected an integer >= 1")
         torch._check(
             compute_dtype is None or compute_dtype in (torch.float16, torch.bfloat16, torch.float32),
             lambda: (
@@ -272,6 +289,12 @@ class LinearKbit(nn.Linear):
     # ------------------------------------------------------------------ quantized state
 
     @property
+    def weight_numel(self) -> int:
+        """The number of weights the layer represents (out_features * in_features), whatever their storage;
+        ``weight.numel()`` counts packed int32 words once quantized."""
+        return self.out_features * self.in_features
+
+    @property
     def is_quantized(self) -> bool:
         return not self.weight.is_floating_point()
 
@@ -293,12 +316,14 @@ class LinearKbit(nn.Linear):
                 f"not match the layer's {(self.out_features, self.in_features)}"
             ),
         )
+        # The weight goes in last: forward's lock-free check reads it (is_quantized), so the other
+        # tensors must already be in place when it turns int32.
+        self._tiled = False
         self.k = params.k
-        self.weight = nn.Parameter(params.packed, requires_grad=False)
         self.absmax = params.absmax
         self.codebook = params.codebook
         self.kbit_format = self._format_tensor(params.packed.device)
-        self._tiled = False
+        self.weight = nn.Parameter(params.packed, requires_grad=False)
 
     @torch.no_grad()
     def quantize_(self) -> LinearKbit:
@@ -308,6 +333,13 @@ class LinearKbit(nn.Linear):
                 self.weight.device.type != "meta",
                 lambda: "LinearKbit.quantize_: the weight is on the meta device; load or materialize it first",
             )
+            if tuple(self.weight.shape) != (self.out_features, self.in_features):
+                raise RuntimeError(
+                    f"LinearKbit: weight is a {self.weight.dtype} tensor of shape {tuple(self.weight.shape)}; expected "
+                    f"the packed int32 weight (or a float [{self.out_features}, {self.in_features}] one). The packed "
+                    "weight was probably cast to float (e.g. `p.data = p.data.to(torch.float32)` over all 1-D "
+                    "parameters): skip int32 parameters when casting, and reload the model"
+                )
             codebook = self.codebook.to(self.weight.device)
             self.set_quant_params(ParamsKbit.quantize(self.weight, k=self.k, codebook=codebook))
         return self
@@ -376,36 +408,92 @@ class LinearKbit(nn.Linear):
             self.quantize_()
         return result
 
+    def _kbit_state_error(self, state_dict, prefix: str) -> str | None:
+        """Why the k-bit tensors in ``state_dict`` cannot be loaded into this layer (None: they can).
+        Checks everything (format, k, shapes, dtypes, codebook length against the stored indices)
+        before loading changes anything."""
+        weight = state_dict[prefix + "weight"]
+        fmt = state_dict.get(prefix + "kbit_format")
+        absmax = state_dict.get(prefix + "absmax")
+        codebook = state_dict.get(prefix + "codebook")
+        missing = [name for name, t in (("kbit_format", fmt), ("absmax", absmax), ("codebook", codebook)) if t is None]
+        if missing:
+            return (
+                f"{prefix}weight is a packed k-bit weight ({weight.dtype}) but the state dict lacks "
+                f"{', '.join(prefix + m for m in missing)}; a k-bit weight loads only with its kbit_format, absmax "
+                "and codebook"
+            )
+        if fmt.dtype not in (torch.int32, torch.int64) or tuple(fmt.shape) != (len(_FORMAT_FIELDS),):
+            return f"{prefix}kbit_format is {fmt.dtype} {tuple(fmt.shape)}; expected int32 ({len(_FORMAT_FIELDS)},)"
+        fields = dict(zip(_FORMAT_FIELDS, fmt.tolist()))
+        if fields["format_version"] > KBIT_FORMAT_VERSION:
+            return (
+                f"{prefix}kbit_format: format version {fields['format_version']} is newer than this "
+                f"bitsandbytes-kbit reads ({KBIT_FORMAT_VERSION}): upgrade bitsandbytes-kbit"
+            )
+        if fields["format_version"] < 1:
+            return f"{prefix}kbit_format: format version {fields['format_version']}; expected 1..{KBIT_FORMAT_VERSION}"
+        k = fields["k"]
+        if k not in SUPPORTED_K:
+            return f"{prefix}kbit_format: k={k} is not supported; expected one of {SUPPORTED_K}"
+        if (fields["out_features"], fields["in_features"]) != (self.out_features, self.in_features):
+            return (
+                f"{prefix}kbit_format: the stored weight has shape {(fields['out_features'], fields['in_features'])}; "
+                f"this layer has {(self.out_features, self.in_features)}"
+            )
+        if fields["padded_in_features"] != self.padded_in_features:
+            return (
+                f"{prefix}kbit_format: padded_in_features={fields['padded_in_features']}; expected "
+                f"{self.padded_in_features} for in_features={self.in_features}"
+            )
+        n_words, n_blocks = packed_sizes(k, self.out_features, self.in_features)
+        if weight.dtype != torch.int32 or weight.dim() != 1 or weight.numel() != n_words:
+            return (
+                f"{prefix}weight is {weight.dtype} {tuple(weight.shape)}; expected int32 ({n_words},) for k={k}, "
+                f"shape {(self.out_features, self.in_features)} (truncated or not a k-bit checkpoint?)"
+            )
+        if absmax.dtype not in ABSMAX_DTYPES or absmax.dim() != 1 or absmax.numel() != n_blocks:
+            return (
+                f"{prefix}absmax is {absmax.dtype} {tuple(absmax.shape)}; expected ({n_blocks},) of one of "
+                f"{ABSMAX_DTYPES} (uint8 = E4M4)"
+            )
+        if codebook.dtype != torch.float32 or codebook.dim() != 1 or not 1 <= codebook.numel() <= 2**k:
+            return (
+                f"{prefix}codebook is {codebook.dtype} {tuple(codebook.shape)}; expected float32 with 1..{2**k} "
+                f"entries for k={k}"
+            )
+        if codebook.device.type != "meta" and not bool(torch.isfinite(codebook).all()):
+            return f"{prefix}codebook contains NaN or Inf; expected finite values"
+        if codebook.numel() < 2**k and weight.device.type != "meta":
+            top = max_index(weight, k)
+            if top >= codebook.numel():
+                return (
+                    f"{prefix}codebook has {codebook.numel()} entries but the packed weight uses index {top}; "
+                    "expected a codebook with an entry for every stored index"
+                )
+        return None
+
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
         weight = state_dict.get(prefix + "weight")
-        fmt = state_dict.get(prefix + "kbit_format")
-        if weight is not None and not weight.is_floating_point() and fmt is not None:
-            # A k-bit state: take k from it and give our tensors its shapes and dtypes, so that the
-            # default loading copies into them (bit-identical), whatever state this module was in.
-            fields = dict(zip(_FORMAT_FIELDS, fmt.tolist()))
-            if fields["format_version"] > KBIT_FORMAT_VERSION:
-                error_msgs.append(
-                    f"{prefix}kbit_format: format version {fields['format_version']} is newer than this "
-                    f"bitsandbytes-kbit reads ({KBIT_FORMAT_VERSION})"
-                )
+        if weight is not None and not weight.is_floating_point():
+            # A k-bit state. Validate all of it first: nothing in the module changes if it is refused.
+            error = self._kbit_state_error(state_dict, prefix)
+            if error is not None:
+                error_msgs.append(error)
                 return
-            if (fields["out_features"], fields["in_features"]) != (self.out_features, self.in_features):
-                error_msgs.append(
-                    f"{prefix}kbit_format: the stored weight has shape {(fields['out_features'], fields['in_features'])}; "
-                    f"this layer has {(self.out_features, self.in_features)}"
-                )
-                return
-            self.k = int(fields["k"])
+            # Give our tensors the state's shapes and dtypes, so that the default loading copies into
+            # them (bit-identical), whatever state this module was in.
+            fmt = state_dict[prefix + "kbit_format"]
             dev = self.weight.device
-            absmax = state_dict.get(prefix + "absmax", self.absmax)
-            codebook = state_dict.get(prefix + "codebook", self.codebook)
-            with torch.no_grad():
-                self.weight = nn.Parameter(torch.empty_like(weight, device=dev), requires_grad=False)
-                self.absmax = torch.empty_like(absmax, device=dev)
-                self.codebook = torch.empty_like(codebook, device=dev)
+            with torch.no_grad(), _LAYOUT_LOCK:
+                self._tiled = False
+                self.k = int(fmt[1])
+                self.absmax = torch.empty_like(state_dict[prefix + "absmax"], device=dev)
+                self.codebook = torch.empty_like(state_dict[prefix + "codebook"], device=dev)
                 self.kbit_format = torch.empty_like(fmt, device=dev)
+                self.weight = nn.Parameter(torch.empty_like(weight, device=dev), requires_grad=False)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -444,22 +532,31 @@ class LinearKbit(nn.Linear):
             self.absmax = absmax
             self._tiled = False
 
+    def _ensure_layout(self, fused: bool) -> None:
+        """Quantize the weight if it is still float, and store it tiled (``fused``) or flat.
+
+        Thread-safe: several threads may run the first forward of one module at once. Double-checked
+        locking: callers test ``not self.is_quantized or fused != self._tiled`` without the lock, and
+        only a layout change takes it. The weight is the last tensor each conversion replaces, so a
+        thread that sees it in the wanted state also sees its absmax."""
+        with _LAYOUT_LOCK:
+            if not self.is_quantized:
+                self.quantize_()
+            if fused != self._tiled:
+                self._to_tiled() if fused else self._to_flat()
+
     def prepare_for_inference(self) -> LinearKbit:
         """Quantize if needed and build the repacked weight now (instead of at the first forward)."""
-        self.quantize_()
-        if self.weight.device.type in self.fused_device_types:
-            self._to_tiled()
+        self._ensure_layout(self.weight.device.type in self.fused_device_types)
         return self
 
-    def _ensure_layout(self, fused: bool) -> None:
-        """Quantize if needed, then hold the storage repacked (fused) or flat."""
-        if not self.is_quantized:
-            self.quantize_()
-        if fused != self._tiled:
-            self._to_tiled() if fused else self._to_flat()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:  # a plain check: Dynamo folds it (a torch._check closure breaks the graph)
+        # Plain checks (Dynamo folds them; a torch._check closure breaks the graph).
+        if not x.is_floating_point():
+            raise TypeError(f"LinearKbit: input has dtype {x.dtype}; expected a floating-point tensor")
+        if x.dim() == 0:
+            raise ValueError("LinearKbit: input is a 0-d tensor; expected shape [..., in_features]")
+        if x.shape[-1] != self.in_features:
             raise ValueError(f"LinearKbit: input has {x.shape[-1]} features; expected in_features={self.in_features}")
         compute_dtype = self.compute_dtype or x.dtype
         h = x if x.dtype == compute_dtype else x.to(compute_dtype)

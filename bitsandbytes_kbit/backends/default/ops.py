@@ -109,6 +109,31 @@ def unpack_bitplanes(packed: torch.Tensor, k: int) -> torch.Tensor:
     return idx
 
 
+_INDEX_CHECK_BLOCKS = 1 << 16  # blocks per step of max_index
+
+
+def max_index(packed: torch.Tensor, k: int) -> int:
+    """The largest codebook index that flat packed words hold (one sync; chunked to bound memory)."""
+    words = packed.reshape(-1, k)
+    top = 0
+    for start in range(0, words.shape[0], _INDEX_CHECK_BLOCKS):
+        idx = unpack_bitplanes(words[start : start + _INDEX_CHECK_BLOCKS].reshape(-1), k)
+        if idx.numel():
+            top = max(top, int(idx.max()))
+    return top
+
+
+def check_indices_in_codebook(op: str, packed: torch.Tensor, codebook: torch.Tensor, k: int) -> None:
+    """A codebook shorter than 2^k must have an entry for every stored index (data-dependent: one sync)."""
+    if codebook.numel() < 2**k and packed.numel():
+        top = max_index(packed, k)
+        if top >= codebook.numel():
+            raise ValueError(
+                f"{op}: codebook has {codebook.numel()} entries but packed holds index {top}; expected the codebook "
+                "quantize_kbit returned (an entry for every stored index)"
+            )
+
+
 def check_finite(op: str, name: str, t: torch.Tensor) -> None:
     # Data-dependent (one sync): run by the backends, not by the fake.
     if t.numel() and not bool(torch.isfinite(t).all()):
@@ -151,12 +176,14 @@ def _(
     packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, k: int, n: int, dtype: torch.dtype
 ) -> torch.Tensor:
     check_dequantize_args(packed, absmax, codebook, k, n, dtype)
+    check_indices_in_codebook("dequantize_kbit", packed, codebook, k)
     return dequantize_kbit_impl(packed, absmax, codebook, k, n, dtype)
 
 
 @register_kernel("bitsandbytes::dequantize_kbit.out", "default")
 def _(packed, absmax, codebook, k: int, n: int, dtype: torch.dtype, out: torch.Tensor) -> None:
     check_dequantize_out_args(packed, absmax, codebook, k, n, dtype, out)
+    check_indices_in_codebook("dequantize_kbit", packed, codebook, k)
     out.copy_(dequantize_kbit_impl(packed, absmax, codebook, k, n, dtype))
 
 

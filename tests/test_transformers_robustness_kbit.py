@@ -1,0 +1,97 @@
+"""transformers cases of issue 66: codebooks in the config, GPT-2 Conv1D layers, parameter counts."""
+
+import os
+
+import pytest
+import torch
+from conftest import seeded, tiny_llama
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import transformers
+
+from bitsandbytes_kbit import integrations
+from bitsandbytes_kbit.integrations import BitsAndBytesKbitConfig
+from bitsandbytes_kbit.nn import LinearKbit
+
+assert integrations.register()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("robust-llama")
+    tiny_llama(seed=3).save_pretrained(path)
+    return path
+
+
+def _load(path, **config):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=BitsAndBytesKbitConfig(**config), dtype=torch.bfloat16, device_map={"": "cpu"}
+    )
+
+
+IDS = torch.tensor([[1, 17, 42, 99, 7, 3]])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"bnb_kbit_bits": 4, "bnb_kbit_codebook": "fp4"},
+        {"bnb_kbit_bits": 3, "bnb_kbit_codebook": [-1.0, -0.4, -0.1, 0.0, 0.15, 0.5, 1.0]},
+    ],
+    ids=["fp4", "list"],
+)
+def test_codebook_configs_quantize_save_and_reload(config, llama_dir, tmp_path):
+    model = _load(llama_dir, **config)
+    layers = [m for m in model.modules() if isinstance(m, LinearKbit)]
+    assert layers and all(m.is_quantized and m.codebook.dtype == torch.float32 for m in layers)
+    with torch.no_grad():
+        logits = model(IDS).logits
+    model.save_pretrained(tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map={"": "cpu"})
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, logits)
+
+
+def test_non_numeric_codebook_list_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"bnb_kbit_codebook=\[-1.0, 'a', 1.0\].*expected.*list of numbers"):
+        BitsAndBytesKbitConfig(bnb_kbit_bits=2, bnb_kbit_codebook=[-1.0, "a", 1.0])
+    with pytest.raises(TypeError, match=r"bnb_kbit_codebook=5.*expected"):
+        BitsAndBytesKbitConfig(bnb_kbit_bits=2, bnb_kbit_codebook=5)
+
+
+def _tiny_gpt2(seed=0):
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_conv1d_layers_are_quantized(tmp_path):
+    from transformers.pytorch_utils import Conv1D
+
+    float_model = _tiny_gpt2()
+    float_model.save_pretrained(tmp_path / "float")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=4), dtype=torch.float32,
+        device_map={"": "cpu"},
+    )
+    assert not any(isinstance(m, Conv1D) for m in model.modules())
+    converted = {n: m for n, m in model.named_modules() if isinstance(m, LinearKbit)}
+    assert len(converted) == 2 * 4  # c_attn, c_proj, c_fc, mlp.c_proj per layer
+    # each LinearKbit holds the transposed Conv1D weight ([nf, nx] as nn.Linear), quantized
+    for name, module in converted.items():
+        conv = float_model.get_submodule(name)
+        assert (module.in_features, module.out_features) == tuple(conv.weight.shape)
+        W = conv.weight.detach().t()
+        err = (module.dequantize(torch.float32) - W).abs()
+        assert float(err.max()) <= 0.5 * float(W.abs().max())  # quantized from the right (transposed) weight
+        x = torch.randn(3, module.in_features, generator=seeded("gpt2", name))
+        ref = x.double() @ module.dequantize(torch.float32).double().t() + module.bias.double()
+        assert torch.allclose(module(x).double(), ref, atol=1e-4)
+    with torch.no_grad():
+        logits = model(IDS % 96).logits
+    model.save_pretrained(tmp_path / "kbit")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32, device_map={"": "cpu"})
+    assert sum(isinstance(m, LinearKbit) for m in again.modules()) == len(converted)
+    with torch.no_grad():
+        assert torch.equal(again(IDS % 96).logits, logits)
