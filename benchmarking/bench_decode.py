@@ -11,7 +11,8 @@ Models (one per format, built one after the other from the same seed, on the GPU
         k and codebook, then prepare_for_inference() (what the transformers quantizer does after loading)
   nf4   bitsandbytes Linear4bit(quant_type="nf4", compute_dtype=bf16) for the same modules, its weight a Params4bit
         quantized by .to(device) (the path of transformers' BitsAndBytesConfig(load_in_4bit=True, nf4))
-Modes (time per generated token, prefill excluded: (a, b) generate() of N + 1 tokens, a logits processor stamps\neach step after a device sync, time = (last stamp - first) / N; (c) the replay loop of N steps is timed):
+Modes (time per generated token, prefill excluded: (a, b) generate() of N + 1 tokens, a logits processor stamps
+each step after a device sync, time = (last stamp - first) / N; (c) the replay loop of N steps is timed):
   a  model.generate() eager, default (dynamic) cache
   b  model.generate(cache_implementation="static"): transformers compiles the forward itself; the log of
      torch's perf hints is captured and every "skipping cudagraphs" line is counted and printed
@@ -35,14 +36,16 @@ from torch import nn
 FORMATS = ("bf16", "nf4", "k2", "k3", "k4", "k5")
 MODES = ("a", "b", "c")
 # Llama-3-8B config.json; --tiny: the same architecture at toy width for a CPU check of every code path
-LLAMA3_8B = dict(
-    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    num_hidden_layers=32, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
-)
-TINY = dict(
-    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    num_hidden_layers=2, vocab_size=256, rope_theta=500000.0, max_position_embeddings=512, rms_norm_eps=1e-5,
-)
+LLAMA3_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "num_hidden_layers": 32, "vocab_size": 128256, "rope_theta": 500000.0,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+}
+TINY = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_hidden_layers": 2, "vocab_size": 256, "rope_theta": 500000.0, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+}
 CHECK_TOKENS = 8  # greedy tokens of (c) compared with (a)
 
 
@@ -96,7 +99,8 @@ def build_model(args, fmt):
         )
         model.set_submodule(name, new.prepare_for_inference())
     model.config.quantization_config = qconfig
-    return model, f"BitsAndBytesKbitConfig(bnb_kbit_bits={fmt[1:]}) -> LinearKbit.from_linear for every nn.Linear but {skip}"
+    how = f"BitsAndBytesKbitConfig(bnb_kbit_bits={fmt[1:]}) -> LinearKbit.from_linear for every nn.Linear but {skip}"
+    return model, how
 
 
 def sync(device):
@@ -122,7 +126,8 @@ def generate_timed(model, prompt, n_new, static, device):
     mode (b) compiles once."""
     from transformers import LogitsProcessorList
 
-    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=n_new + 1, min_new_tokens=n_new + 1)
+    kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    kwargs.update(max_new_tokens=n_new + 1, min_new_tokens=n_new + 1)
     if static:
         kwargs["cache_implementation"] = "static"
     for _ in range(2 if static else 1):  # warm-up (b: transformers compiles the forward here)
@@ -263,7 +268,8 @@ def main(argv=None):
         t_build = time.time()
         model, how = build_model(args, fmt)
         builds[fmt] = how
-        print(f"[{fmt}] {how} (built in {time.time() - t_build:.1f} s, {model.config.num_hidden_layers} layers)", flush=True)
+        layers = model.config.num_hidden_layers
+        print(f"[{fmt}] {how} (built in {time.time() - t_build:.1f} s, {layers} layers)", flush=True)
         for B in args.batch:
             ref_tokens = None
             for mode in args.modes:

@@ -83,7 +83,10 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.n < 32 or args.n % 32 or args.k not in (2, 3, 4, 5) or args.calls < 1:
-        sys.exit(f"bench_host_overhead: --n {args.n} (multiple of 32), --k {args.k} (2..5), --calls {args.calls} (>= 1)")
+        sys.exit(
+            f"bench_host_overhead: --n {args.n} (expected a multiple of 32), --k {args.k} (expected 2..5), "
+            f"--calls {args.calls} (expected >= 1)"
+        )
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_host_overhead: --device cuda but no CUDA GPU; use --device cpu for a check of the script")
     gpu = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu"
@@ -92,7 +95,7 @@ def main(argv=None):
         for name, fn in build_paths(args).items():
             rows[name] = per_call_us(fn, args.calls, args.device)
     print(f"\nhost overhead, {gpu}, {args.dtype}, weight {args.n} x {args.n}, M = 1, {args.calls} calls, no_grad\n")
-    print(f"| path | host us/call | sync us/call |\n|---|---|---|")
+    print("| path | host us/call | sync us/call |\n|---|---|---|")
     for name, (host, synced) in rows.items():
         print(f"| {name} | {host:.1f} | {synced:.1f} |")
     kb = rows[f"LinearKbit k={args.k}"][0]

@@ -34,9 +34,8 @@ import time
 
 import torch
 import torch.nn.functional as torch_F
-from timing import copies_to_defeat_l2, gpu_info, l2_bytes, median_us_graphs_interleaved, read_write_bandwidth
-
 from model_shapes import distinct_shapes, families, model_shapes, shape_label
+from timing import copies_to_defeat_l2, gpu_info, l2_bytes, median_us_graphs_interleaved, read_write_bandwidth
 
 import bitsandbytes_kbit.functional as F
 

@@ -66,10 +66,10 @@ CONFIGS = [
 # DeepSeek-V2-Lite (MLA attention without q LoRA, MoE): hidden 2048, 16 heads, qk_nope_head_dim 128,
 # qk_rope_head_dim 64, v_head_dim 128, kv_lora_rank 512, moe_intermediate_size 1408, n_shared_experts 2
 # (one fused shared MLP of 2 x 1408), intermediate_size 10944 (the dense first layer).
-DEEPSEEK_V2_LITE = dict(
-    hidden=2048, heads=16, qk_nope=128, qk_rope=64, v_head=128, kv_lora_rank=512, moe_inter=1408, n_shared=2,
-    dense_inter=10944,
-)
+DEEPSEEK_V2_LITE = {
+    "hidden": 2048, "heads": 16, "qk_nope": 128, "qk_rope": 64, "v_head": 128, "kv_lora_rank": 512,
+    "moe_inter": 1408, "n_shared": 2, "dense_inter": 10944,
+}
 
 
 def config_shapes(c: Config) -> list[Shape]:
