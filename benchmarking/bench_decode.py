@@ -247,9 +247,6 @@ def parse_args(argv=None):
         sys.exit("bench_decode: --batch, --prompt-len >= 1, --new-tokens >= 2 and --layers >= 0 expected")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_decode: --device cuda but no CUDA GPU; use --tiny --device cpu for a CPU check")
-    if torch.device(args.device).type != "cuda" and "nf4" in args.formats:
-        print("bench_decode: nf4 needs CUDA here (bitsandbytes' 4-bit CPU path); dropped from --formats")
-        args.formats = [f for f in args.formats if f != "nf4"]
     return args
 
 

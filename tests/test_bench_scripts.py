@@ -95,13 +95,15 @@ def test_decode_tiny_on_cpu(tmp_path, capsys):
 
     out = tmp_path / "d.json"
     bench_decode.main(["--tiny", "--device", "cpu", "--layers", "1", "--batch", "1,2", "--new-tokens", "4",
-                       "--formats", "bf16,k4", "--modes", "a,c", "--json", str(out)])
+                       "--formats", "bf16,nf4,k4", "--modes", "a,c", "--json", str(out)])
     text = capsys.readouterr().out
     assert "CUDA graphs skipped" in text
     rows = json.loads(out.read_text())["results"]
-    assert len(rows) == 8 and all("error" not in r for r in rows)
-    # (c) runs the same greedy decode as generate(): on the CPU (same kernels) the tokens agree
-    assert all(r["tokens_match_a"] == 5 for r in rows if r["mode"] == "c")
+    assert len(rows) == 12 and all("error" not in r for r in rows)
+    # (c) runs the same greedy decode as generate(): the first token comes from the same prefill logits; for bf16
+    # and k = 4 on the CPU all five agree (NF4 can part later on a near-tie: its prefill and decode paths differ)
+    assert all(r["tokens_match_a"] >= 1 for r in rows if r["mode"] == "c")
+    assert all(r["tokens_match_a"] == 5 for r in rows if r["mode"] == "c" and r["format"] != "nf4")
 
 
 @pytest.mark.cuda
