@@ -120,3 +120,18 @@ def test_decode_tiny_cuda_graph(tmp_path, capsys):
     assert all(r["cuda_graph"] for r in graph_rows)
     # the first greedy token comes from the same prefill logits up to rounding; later ones may part on near-ties
     assert all(r["tokens_match_a"] >= 1 for r in graph_rows)
+
+
+def test_skip_counter_sees_torch_cudagraph_skip_lines():
+    import logging
+
+    import bench_decode
+
+    counter = bench_decode.SkipCounter()
+    logging.getLogger("torch").addHandler(counter)
+    try:
+        logging.getLogger("torch._inductor.cudagraph_utils").warning("skipping cudagraphs due to mutated inputs (2)")
+        logging.getLogger("torch._inductor.cudagraph_utils").warning("cudagraph tree recorded")
+    finally:
+        logging.getLogger("torch").removeHandler(counter)
+    assert counter.lines == ["skipping cudagraphs due to mutated inputs (2)"]
