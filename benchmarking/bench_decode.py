@@ -209,12 +209,32 @@ class SkipCounter(logging.Handler):
 
     def __init__(self):
         super().__init__()
-        self.lines = []
+        self.lines, self.last = [], None
 
     def emit(self, record):
+        if record is self.last:  # the same record propagating through two loggers that both hold this handler
+            return
+        self.last = record
         msg = record.getMessage()
         if "skipping cudagraph" in msg.lower():
             self.lines.append(msg.splitlines()[0][:200])
+
+
+def attach_skip_counter(counter):
+    """Hold `counter` on every torch logger (torch's logging setup can stop records from propagating to "torch");
+    the modules that log the skips are imported first so that their loggers exist. Returns the loggers."""
+    for module in ("torch._inductor.cudagraph_utils", "torch._inductor.output_code", "torch._inductor.cudagraph_trees"):
+        try:
+            __import__(module)
+        except ImportError:
+            print(f"bench_decode: {module} not in this torch; its skip lines are counted only if it exists elsewhere")
+    loggers = [logging.getLogger("torch")] + [
+        lg for name, lg in logging.Logger.manager.loggerDict.items()
+        if name.startswith("torch.") and isinstance(lg, logging.Logger)
+    ]
+    for lg in loggers:
+        lg.addHandler(counter)
+    return loggers
 
 
 def cudagraph_skip_counter():
@@ -269,7 +289,7 @@ def main(argv=None):
             torch._logging.set_logs(perf_hints=True, cudagraphs=True)
         except Exception as exc:  # noqa: BLE001  (an older torch without this artifact: the count stays 0)
             print(f"bench_decode: torch perf-hint logs not available ({exc}); skipped-cudagraph lines not counted")
-        logging.getLogger("torch").addHandler(skips)
+        attach_skip_counter(skips)
     gen = torch.Generator().manual_seed(1)
     vocab = (TINY if args.tiny else LLAMA3_8B)["vocab_size"]
     prompts = {B: torch.randint(1, vocab, (B, args.prompt_len), generator=gen).to(args.device) for B in args.batch}

@@ -128,10 +128,11 @@ def test_skip_counter_sees_torch_cudagraph_skip_lines():
     import bench_decode
 
     counter = bench_decode.SkipCounter()
-    logging.getLogger("torch").addHandler(counter)
+    loggers = bench_decode.attach_skip_counter(counter)
     try:
         logging.getLogger("torch._inductor.cudagraph_utils").warning("skipping cudagraphs due to mutated inputs (2)")
         logging.getLogger("torch._inductor.cudagraph_utils").warning("cudagraph tree recorded")
     finally:
-        logging.getLogger("torch").removeHandler(counter)
+        for lg in loggers:
+            lg.removeHandler(counter)
     assert counter.lines == ["skipping cudagraphs due to mutated inputs (2)"]
