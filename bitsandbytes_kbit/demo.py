@@ -258,9 +258,15 @@ def plot(rows, path: str, device_name: str) -> None:
         shown = [min(v, limit) if limit else v for v in values]
         drawn = ax.bar(names, shown, color=colors)
         for bar, v in zip(drawn, values):
-            label = "n/a" if math.isnan(v) else fmt.format(v) + (" (off scale)" if limit and v > limit else "")
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height() if not math.isnan(v) else 0),
-                        ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+            x = bar.get_x() + bar.get_width() / 2
+            if limit and v > limit:  # cut at the limit, hatched, value written inside
+                bar.set_hatch("//")
+                ax.text(x, limit / 2, f"{v:.3g}\noff scale", ha="center", va="center", fontsize=8, rotation=90,
+                        color="white", fontweight="bold")
+                continue
+            label = "n/a" if math.isnan(v) else fmt.format(v)
+            ax.annotate(label, (x, 0 if math.isnan(v) else bar.get_height()), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
         ax.margins(y=0.15)
 
     bars(axes[0], [r[2] / 2**20 for r in rows], "{:.1f}")
