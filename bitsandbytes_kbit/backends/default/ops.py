@@ -48,8 +48,13 @@ def e4m4_table(device=None) -> torch.Tensor:
     return torch.where(e == 0, subnormal, normal)
 
 
+_E4M4_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def decode_absmax_e4m4(raw: torch.Tensor) -> torch.Tensor:
-    return e4m4_table(raw.device)[raw.long()]
+    if raw.device not in _E4M4_TABLES:  # built once per device: every dequantize decodes its scales
+        _E4M4_TABLES[raw.device] = e4m4_table(raw.device)
+    return _E4M4_TABLES[raw.device][raw.long()]
 
 
 def encode_absmax_e4m4(absmax: torch.Tensor) -> torch.Tensor:
