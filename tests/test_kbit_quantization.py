@@ -129,6 +129,35 @@ def test_hand_built_block_decodes_to_known_values(k):
     assert F.dequantize_kbit(packed, absmax, cb, k, 40, dtype=torch.float32).tolist() == expected[:40]
 
 
+@pytest.mark.parametrize("absmax_format", ABSMAX_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", KS)
+def test_dequantize_matches_the_elementwise_definition(k, dtype, absmax_format):
+    """The default backend's dequantize (byte-table unpacking, per-block value tables) gives exactly
+    dtype(float32(codebook[index] * scale)) element by element, on random words, scales and codebooks."""
+    g = seeded("deq-def", k, dtype, absmax_format)
+    n = 32 * 2000 + 13  # a tail block
+    nb = (n + 31) // 32
+    entries = int(torch.randint(1, 2**k + 1, (1,), generator=g))  # codebooks may have fewer than 2^k entries
+    cb = torch.randn(entries, generator=g).sort().values
+    idx = torch.randint(0, entries, (nb, 32), generator=g)
+    idx[-1, n - 32 * (nb - 1) :] = 0  # padded positions carry index bits 0
+    bits = torch.ones(1, dtype=torch.int64) << torch.arange(32)
+    words = torch.stack([(((idx >> b) & 1) * bits).sum(dim=1) for b in range(k)], dim=1).reshape(-1)
+    packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    if absmax_format == "e4m4":
+        absmax = torch.randint(0, 256, (nb,), generator=g).to(torch.uint8)
+        scale = torch.tensor([e4m4_formula(c) for c in range(256)], dtype=torch.float32)[absmax.long()]
+    else:
+        absmax = (torch.rand(nb, generator=g) * 4).to(torch.float16 if absmax_format == "fp16" else torch.float32)
+        scale = absmax.to(torch.float32)
+    expected = (cb[idx] * scale.unsqueeze(1)).reshape(-1)[:n].to(dtype)
+    out = F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    assert torch.equal(ref.unpack_bitplanes_bytes(packed, k).long(), idx)
+    assert torch.equal(ref.unpack_bitplanes(packed, k), idx)
+
+
 @pytest.mark.parametrize("k", KS)
 def test_quantize_produces_the_hand_built_words(k):
     g = seeded("handq", k)
