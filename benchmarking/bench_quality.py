@@ -68,10 +68,13 @@ def bits_per_weight(method: str, k: int) -> float:
     return k + 8 / 32  # one E4M4 byte per block of 32
 
 
-def variants(ks):
-    """(method, k) pairs; bitsandbytes' formats have one width each."""
+def variants(ks, methods):
+    """(method, k) pairs; bitsandbytes' formats have one width each. A method that is the default at
+    that k (``F.DEFAULT_CODEBOOK`` with "mse") is the "default" row, not a second one."""
     for k in ks:
-        for m in KBIT_METHODS:
+        for m in methods:
+            if m != "default" and KBIT_METHODS[m] == (F.DEFAULT_CODEBOOK[k], "mse") and "default" in methods:
+                continue
             yield m, k
     for m in BNB_METHODS:
         yield m, 8 if m == "bnb int8" else 4
@@ -183,17 +186,21 @@ def evaluate_synthetic(data: dict, method: str, k: int) -> dict:
     return out
 
 
-def quantize_speed(device) -> float:
-    """Elements per second of the default quantize_kbit (k = 4) on a 4096 x 4096 fp16 weight."""
+def quantize_speed(device) -> dict:
+    """Elements per second of quantize_kbit (k = 4) on a 4096 x 4096 fp16 weight: the default ("mse"
+    scales, PyTorch) and the "absmax" op (the CUDA kernel on CUDA). Quantize-on-load time scales with it."""
     W = (torch.randn(4096, 4096, generator=torch.Generator().manual_seed(1)) * 0.02).to(device, torch.float16)
-    F.quantize_kbit(W[:256], k=4)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    F.quantize_kbit(W, k=4)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return W.numel() / (time.perf_counter() - t0)
+    out = {}
+    for method in ("mse", "absmax"):
+        F.quantize_kbit(W[:256], k=4, scale_method=method)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        F.quantize_kbit(W, k=4, scale_method=method)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out[method] = W.numel() / (time.perf_counter() - t0)
+    return out
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -254,6 +261,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5])
+    parser.add_argument("--methods", nargs="+", default=list(KBIT_METHODS), choices=list(KBIT_METHODS))
+    parser.add_argument(
+        "--smollm", nargs="*", default=None, metavar="METHOD:K",
+        help="evaluate SmolLM2 only for these (e.g. default:4 'bnb nf4:4'); default: every row, none if given empty",
+    )
     parser.add_argument("--json", default="", help="write the rows here")
     parser.add_argument("--plot", default="", help="save a plot here")
     args = parser.parse_args(argv)
@@ -264,7 +276,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     speed = quantize_speed(device)
-    say(f"quantize_kbit default (k = 4, mse scales) on {device}: {speed / 1e6:.1f} M elements/s")
+    say(f"quantize_kbit k = 4 on {device}: " + ", ".join(f"{m} {v / 1e6:.1f} M elements/s" for m, v in speed.items()))
     data = synthetic(device)
     models, refs = [], {}
     for cls, ref_name in ((MiniLM, "MiniLM"), (SmolLM2, "SmolLM2 ppl")):
@@ -277,11 +289,13 @@ def main(argv=None) -> None:
         if isinstance(m, SmolLM2):
             refs[ref_name] = m.ref
     rows = []
-    for method, k in variants(args.ks):
+    for method, k in variants(args.ks, args.methods):
         t0 = time.perf_counter()
         row = {"method": method, "k": k, "bits_per_weight": bits_per_weight(method, k)}
         row.update(evaluate_synthetic(data, method, k))
         for m in models:
+            if isinstance(m, SmolLM2) and args.smollm is not None and f"{method}:{k}" not in args.smollm:
+                continue
             row.update(m.evaluate(method, k))
         rows.append(row)
         say(f"  {method} k={k}: " + ", ".join(f"{key} {v:.4g}" for key, v in row.items() if isinstance(v, float))
