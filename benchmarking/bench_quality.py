@@ -38,6 +38,8 @@ KBIT_METHODS = {  # name -> (codebook, scale_method)
     "lloyd-zero+mse": ("lloyd-zero", "mse"),
 }
 BNB_METHODS = ("bnb nf4", "bnb fp4", "bnb int8")
+# 32 layers x (q, o: 4096 x 4096; k, v: 1024 x 4096; gate, up, down: 14336 x 4096)
+LLAMA3_8B_LINEAR = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
 
 
 def say(msg: str) -> None:
@@ -267,6 +269,7 @@ def main(argv=None) -> None:
         help="evaluate SmolLM2 only for these (e.g. default:4 'bnb nf4:4'); default: every row, none if given empty",
     )
     parser.add_argument("--json", default="", help="write the rows here")
+    parser.add_argument("--speed-only", action="store_true", help="only the quantize speed")
     parser.add_argument("--plot", default="", help="save a plot here")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -277,6 +280,10 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     speed = quantize_speed(device)
     say(f"quantize_kbit k = 4 on {device}: " + ", ".join(f"{m} {v / 1e6:.1f} M elements/s" for m, v in speed.items()))
+    say("  at that rate, the linear weights of a Llama-3-8B-shaped model (6.98e9 elements) take: "
+        + ", ".join(f"{m} {LLAMA3_8B_LINEAR / v:.1f} s" for m, v in speed.items()))
+    if args.speed_only:
+        return
     data = synthetic(device)
     models, refs = [], {}
     for cls, ref_name in ((MiniLM, "MiniLM"), (SmolLM2, "SmolLM2 ppl")):

@@ -34,7 +34,7 @@ _CHUNK_GPU = 2**18
 def _nearest(xn: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Index of the nearest entry of a sorted codebook, ties to the lower index (the op's rule)."""
     mids = (codebook[1:] + codebook[:-1]) * 0.5
-    return torch.bucketize(xn, mids, right=False)
+    return torch.bucketize(xn, mids, out_int32=True, right=False)
 
 
 def _assign(blocks: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, valid: torch.Tensor = None):
