@@ -34,8 +34,9 @@ __all__ = [
 ]
 
 CODEBOOK_KINDS = ("lloyd", "lloyd-zero", "nf", "uniform", "fp4")
-# The codebook ``codebook=None`` means, per k: the best measured with the "mse" scale search (docs/format.md).
-DEFAULT_CODEBOOK = {2: "lloyd", 3: "lloyd", 4: "lloyd-zero", 5: "lloyd-zero"}
+# The codebook ``codebook=None`` means, per k: the best measured with the "mse" scale search (docs/usage.md): the
+# exact zero costs up to 0.6 dB of weight SQNR at k = 2 but gives the best MiniLM embeddings at every k.
+DEFAULT_CODEBOOK = {2: "lloyd-zero", 3: "lloyd-zero", 4: "lloyd-zero", 5: "lloyd-zero"}
 # Lloyd-Max levels for Gaussian weights in blocks of 32 with error-minimizing scales, max |level| = 1.
 # Made by ``python -m bitsandbytes_kbit.scale_search`` (scale_search.data_free_levels: fixed seed, CPU).
 _LLOYD_LEVELS = {
@@ -110,9 +111,8 @@ def create_codebook(kind: str = "nf", k: int = 4, device=None) -> torch.Tensor:
 
             - ``"lloyd"``: 2^k Lloyd-Max levels for Gaussian weights normalized by their block's
               error-minimizing scale (fitted jointly with the scale search; symmetric, no zero).
-              The default for k = 2, 3.
             - ``"lloyd-zero"``: the same fit with one level pinned at exactly 0 (2^k levels, one
-              more on the positive side). The default for k = 4, 5.
+              more on the positive side). The default for every k.
             - ``"nf"``: normal float, 2^k levels at the means of equiprobable N(0, 1) bins (the
               seed's codebook; no exact zero).
             - ``"uniform"``: the symmetric integer grid, 2^k - 1 levels, zero exact.
@@ -198,7 +198,7 @@ def quantize_kbit(
     Args:
         A: the tensor; it is flattened, and a tail block shorter than 32 is zero-padded.
         k: bits per element, 2..5.
-        codebook: None (the default for k: ``"lloyd"`` for k = 2, 3, ``"lloyd-zero"`` for k = 4, 5),
+        codebook: None (the default for k, ``DEFAULT_CODEBOOK[k]``: ``"lloyd-zero"`` for every k),
             a built-in name (see ``create_codebook``) or a tensor of up to 2^k levels (any order; it
             is sorted, and the sorted copy is returned).
         absmax_format: ``"e4m4"`` (1 byte per block, the default), ``"fp16"`` or ``"fp32"``.

@@ -54,7 +54,7 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
     Args:
         load_in_kbit: must be True (the name mirrors ``load_in_4bit`` of ``BitsAndBytesConfig``).
         bnb_kbit_bits: k, bits per weight (2, 3, 4 or 5).
-        bnb_kbit_codebook: None (the default for k: ``"lloyd"`` for k = 2, 3, ``"lloyd-zero"`` for k = 4, 5),
+        bnb_kbit_codebook: None (the default for k, ``DEFAULT_CODEBOOK[k]``: ``"lloyd-zero"`` for every k),
             a built-in name (``"lloyd"``, ``"lloyd-zero"``, ``"nf"``, ``"uniform"``, ``"fp4"``) or a list of at
             most 2^k floats.
         bnb_kbit_scale_method: ``"mse"`` (default: each block's scale chosen for the least error) or
