@@ -239,15 +239,16 @@ def plot(rows: list[dict], ks, path: str, device: str) -> None:
     panels = [("MiniLM SQNR", "minilm_weight_sqnr_db", False), ("t4 SQNR", "t4_weight_sqnr_db", False),
               ("MiniLM cos", "minilm_cosine", False), ("SmolLM2 ppl", "smollm2_ppl", True)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    color = {m: f"C{i}" for i, m in enumerate(list(KBIT_METHODS) + list(BNB_METHODS))}  # the same in every panel
     for ax, (title, key, log) in zip(axes, panels):
         for m in KBIT_METHODS:
             pts = [(r["bits_per_weight"], r[key]) for r in rows if r["method"] == m and key in r]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=m)
+                ax.plot(*zip(*pts), marker="o", label=m, color=color[m])
         for m in BNB_METHODS:
             pts = [(r["bits_per_weight"], r[key]) for r in rows if r["method"] == m and key in r]
             if pts:
-                ax.scatter(*zip(*pts), marker="x", s=60, label=m, zorder=3)
+                ax.scatter(*zip(*pts), marker="x", s=60, label=m, zorder=3, color=color[m])
         ax.set_title(title)
         ax.set_xlabel("bits per weight")
         if log:
