@@ -224,7 +224,7 @@ def tensor_demo(args) -> None:
     n = W.numel()
     say(f"W [4096 x 4096] fp16 ({2 * n / 2**20:.1f} MiB) on {device}")
     say(f"{'codebook':>8} {'k':>2} {'size MiB':>9} {'bits/w':>7} {'vs fp16':>8} {'rel err':>8} {'SQNR dB':>8}")
-    for codebook in ("nf", "uniform", "fp4"):
+    for codebook in ("lloyd-zero", "nf", "uniform", "fp4"):
         for k in (2, 3, 4, 5):
             if codebook == "fp4" and k != 4:
                 continue
