@@ -54,24 +54,22 @@ def check_codebook(op: str, codebook: torch.Tensor, k: int) -> None:
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
-    torch._check(
-        all(d == first for d in devices.values()),
-        lambda: (
-            f"{op}: all tensors must be on one device; got "
-            + ", ".join(f"{name} on {d}" for name, d in devices.items())
-        ),
-    )
+    if any(d != first for d in devices.values()):
+        raise RuntimeError(
+            f"{op}: all tensors must be on one device; got " + ", ".join(f"{name} on {d}" for name, d in devices.items())
+        )
 
 
 def check_quantize_args(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype) -> None:
     op = "quantize_kbit"
     check_k(op, k)
-    torch._check(A.dtype in INPUT_DTYPES, lambda: f"{op}: A has dtype {A.dtype}; expected one of {INPUT_DTYPES}")
+    if A.dtype not in INPUT_DTYPES:
+        raise RuntimeError(f"{op}: A has dtype {A.dtype}; expected one of {INPUT_DTYPES}")
     check_codebook(op, codebook, k)
-    torch._check(
-        absmax_dtype in ABSMAX_DTYPES,
-        lambda: f"{op}: absmax_dtype={absmax_dtype} is not supported; expected one of {ABSMAX_DTYPES} (uint8 = E4M4)",
-    )
+    if absmax_dtype not in ABSMAX_DTYPES:
+        raise RuntimeError(
+            f"{op}: absmax_dtype={absmax_dtype} is not supported; expected one of {ABSMAX_DTYPES} (uint8 = E4M4)"
+        )
     check_same_device(op, A=A, codebook=codebook)
 
 

@@ -302,15 +302,15 @@ def tensor_demo(args) -> None:
     W = W.to(device=device, dtype=torch.float16)
     n = W.numel()
     say(f"W [{N} x {K}] fp16 ({2 * n / 2**20:.1f} MiB) on {device}, normal values with 1% outlier rows")
-    say(f"{'codebook':>8} {'k':>2} {'size MiB':>9} {'bits/w':>7} {'vs fp16':>8} {'rel err':>8} {'SQNR dB':>8} {'seconds':>8}")
-    for codebook in ("nf", "uniform", "fp4"):
+    say(f"{'codebook':>10} {'k':>2} {'size MiB':>9} {'bits/w':>7} {'vs fp16':>8} {'rel err':>8} {'SQNR dB':>8} {'seconds':>8}")
+    for codebook in ("lloyd-zero", "nf", "uniform", "fp4"):
         for k in args.k if codebook != "fp4" else (4,):
             t0 = time.perf_counter()
             packed, absmax, cb = quantize_kbit(W, k=k, codebook=create_codebook(codebook, k, device))
             W_hat = dequantize_kbit(packed, absmax, cb, k, n, dtype=torch.float16).view_as(W)
             size = packed.numel() * 4 + absmax.numel()
             err = float((W.float() - W_hat.float()).norm() / W.float().norm())
-            say(f"{codebook:>8} {k:>2} {size / 2**20:>9.2f} {8 * size / n:>7.3f} {2 * n / size:>7.2f}x {err:>8.4f} "
+            say(f"{codebook:>10} {k:>2} {size / 2**20:>9.2f} {8 * size / n:>7.3f} {2 * n / size:>7.2f}x {err:>8.4f} "
                 f"{-20 * math.log10(err):>8.2f} {time.perf_counter() - t0:>8.1f}")
 
 

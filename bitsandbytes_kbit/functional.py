@@ -3,7 +3,7 @@
 
 Quick start::
 
-    packed, absmax, codebook = quantize_kbit(W, k=4)            # normal-float codebook, E4M4 absmax
+    packed, absmax, codebook = quantize_kbit(W, k=4)            # default codebook for k, error-minimizing scales
     W_hat = dequantize_kbit(packed, absmax, codebook, k=4, n=W.numel(), dtype=W.dtype).view_as(W)
 """
 
@@ -16,11 +16,13 @@ from typing import Optional, Union
 import torch
 
 from . import _ops  # noqa: F401  (defines the torch.library ops)
-from ._ops import GEMM_DTYPES, check_gemm_args, check_int, check_k, check_out
+from ._ops import GEMM_DTYPES, check_gemm_args, check_int, check_k, check_out, check_quantize_args
+from .backends.default.ops import check_finite as _check_finite
 from .backends.default.ops import check_indices_in_codebook, e4m4_table
 from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
 from .backends.default.ops import encode_absmax_e4m4 as _encode_e4m4
 from .backends.default.tiled_layout import unrepack_kbit_reference as _unrepack_reference
+from .scale_search import SCALE_METHODS, quantize_blocks_mse
 
 __all__ = [
     "create_normal_float_codebook",
@@ -33,7 +35,46 @@ __all__ = [
     "kbit_gemm",
 ]
 
-CODEBOOK_KINDS = ("nf", "uniform", "fp4")
+CODEBOOK_KINDS = ("lloyd", "lloyd-zero", "nf", "uniform", "fp4")
+# The codebook ``codebook=None`` means, per k: the best measured with the "mse" scale search (docs/usage.md): the
+# exact zero costs up to 0.6 dB of weight SQNR at k = 2 but gives the best MiniLM embeddings at every k.
+DEFAULT_CODEBOOK = {2: "lloyd-zero", 3: "lloyd-zero", 4: "lloyd-zero", 5: "lloyd-zero"}
+# Lloyd-Max levels for Gaussian weights in blocks of 32 with error-minimizing scales, max |level| = 1.
+# Made by ``python -m bitsandbytes_kbit.scale_search`` (scale_search.data_free_levels: fixed seed, CPU).
+_LLOYD_LEVELS = {
+    ('lloyd', 2): [
+        -1.0, -0.2966192, 0.2966192, 1.0
+    ],
+    ('lloyd', 3): [
+        -1.0, -0.6012591, -0.330557, -0.1057229, 0.1057229, 0.330557, 0.6012591, 1.0
+    ],
+    ('lloyd', 4): [
+        -1.0, -0.7628108, -0.5935189, -0.4566639, -0.339897, -0.235325, -0.1384072, -0.0456541, 0.0456559, 0.138408,
+        0.235325, 0.339897, 0.4566639, 0.5935189, 0.7628108, 1.0
+    ],
+    ('lloyd', 5): [
+        -1.0, -0.8644214, -0.7532833, -0.6596463, -0.5785836, -0.5071611, -0.4425014, -0.3838842, -0.3300647,
+        -0.2800396, -0.2328157, -0.1877557, -0.1443955, -0.1023668, -0.0612785, -0.0204442, 0.0204497, 0.0612806,
+        0.102369, 0.1443957, 0.187756, 0.2328143, 0.2800357, 0.3300568, 0.3838762, 0.442498, 0.5071599, 0.5785812,
+        0.659642, 0.7532787, 0.8644084, 0.9999969
+    ],
+    ('lloyd-zero', 2): [
+        -0.6877934, 0.0, 0.4315934, 1.0
+    ],
+    ('lloyd-zero', 3): [
+        -0.9183641, -0.5126179, -0.2365806, 0.0, 0.1820902, 0.3820797, 0.6299295, 1.0
+    ],
+    ('lloyd-zero', 4): [
+        -0.9916285, -0.7489533, -0.5752859, -0.4342742, -0.3128172, -0.2029101, -0.0997317, 0.0, 0.082526, 0.1682471,
+        0.2593418, 0.3582261, 0.469796, 0.602002, 0.7667697, 1.0
+    ],
+    ('lloyd-zero', 5): [
+        -0.9997491, -0.8639963, -0.7526675, -0.6586831, -0.5774398, -0.5057337, -0.4409032, -0.3818331, -0.3271679,
+        -0.2761425, -0.2276305, -0.180862, -0.135048, -0.0894965, -0.0446313, 0.0, 0.0366969, 0.0737219, 0.1118639,
+        0.1513692, 0.1926658, 0.2360783, 0.2820002, 0.3311032, 0.384294, 0.4424454, 0.5067516, 0.5780381, 0.6588292,
+        0.7525901, 0.863995, 1.0
+    ],
+}
 ABSMAX_FORMATS = {"e4m4": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
 E4M4_MAX = float(e4m4_table()[-1])  # 31.0
 E4M4_MIN_NORMAL = 2.0**-10  # below it the codes are 2^-14 apart (absolute), not 1/16 relative
@@ -71,8 +112,16 @@ def create_codebook(kind: str = "nf", k: int = 4, device=None) -> torch.Tensor:
     """A built-in codebook: float32, sorted ascending, max |level| = 1, cached per (kind, k, device).
 
     Args:
-        kind: ``"nf"`` (normal float: 2^k levels at the means of equiprobable N(0, 1) bins),
-            ``"uniform"`` (symmetric integer grid, 2^k - 1 levels) or ``"fp4"`` (FP4 E2M1, k = 4 only).
+        kind: one of
+
+            - ``"lloyd"``: 2^k Lloyd-Max levels for Gaussian weights normalized by their block's
+              error-minimizing scale (fitted jointly with the scale search; symmetric, no zero).
+            - ``"lloyd-zero"``: the same fit with one level pinned at exactly 0 (2^k levels, one
+              more on the positive side). The default for every k.
+            - ``"nf"``: normal float, 2^k levels at the means of equiprobable N(0, 1) bins (the
+              seed's codebook; no exact zero).
+            - ``"uniform"``: the symmetric integer grid, 2^k - 1 levels, zero exact.
+            - ``"fp4"``: the 15 FP4 E2M1 values, k = 4 only.
         k: bit width, 2..5.
         device: where the tensor lives (default CPU).
 
@@ -86,8 +135,12 @@ def create_codebook(kind: str = "nf", k: int = 4, device=None) -> torch.Tensor:
     device = torch.device(device) if device is not None else torch.device("cpu")
     key = (kind, k, str(device))
     if key not in _codebook_cache:
-        levels = {"nf": _normal_float_levels, "uniform": _uniform_levels}.get(kind)
-        cb = levels(k) if levels is not None else _fp4_e2m1_levels()
+        if kind in ("lloyd", "lloyd-zero"):
+            cb = torch.tensor(_LLOYD_LEVELS[kind, k], dtype=torch.float32)
+        elif kind == "fp4":
+            cb = _fp4_e2m1_levels()
+        else:
+            cb = {"nf": _normal_float_levels, "uniform": _uniform_levels}[kind](k)
         _codebook_cache[key] = cb.to(device=device, dtype=torch.float32)
     return _codebook_cache[key]
 
@@ -118,11 +171,11 @@ def decode_absmax_e4m4(raw: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_codebook(codebook: Union[None, str, torch.Tensor], k: int, device) -> torch.Tensor:
-    """None -> the normal-float codebook; a string -> that built-in; a tensor -> checked
+    """None -> the default for k (``DEFAULT_CODEBOOK``); a string -> that built-in; a tensor -> checked
     (floating point, 1-D, finite, at most 2^k entries), converted to float32 and sorted."""
     check_k("quantize_kbit", k)
     if codebook is None:
-        return create_codebook("nf", k, device)
+        return create_codebook(DEFAULT_CODEBOOK[k], k, device)
     if isinstance(codebook, str):
         return create_codebook(codebook, k, device)
     if not isinstance(codebook, torch.Tensor):
@@ -143,15 +196,21 @@ def quantize_kbit(
     k: int = 4,
     codebook: Union[None, str, torch.Tensor] = None,
     absmax_format: str = "e4m4",
+    scale_method: str = "mse",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize A (float16, bfloat16 or float32, any shape) to k bits in blocks of 32 elements.
 
     Args:
         A: the tensor; it is flattened, and a tail block shorter than 32 is zero-padded.
         k: bits per element, 2..5.
-        codebook: None (normal float), ``"nf"``, ``"uniform"``, ``"fp4"`` or a tensor of up to
-            2^k levels (any order; it is sorted, and the sorted copy is returned).
+        codebook: None (the default for k, ``DEFAULT_CODEBOOK[k]``: ``"lloyd-zero"`` for every k),
+            a built-in name (see ``create_codebook``) or a tensor of up to 2^k levels (any order; it
+            is sorted, and the sorted copy is returned).
         absmax_format: ``"e4m4"`` (1 byte per block, the default), ``"fp16"`` or ``"fp32"``.
+        scale_method: ``"mse"`` (the default): each block's stored scale is the one, among those
+            around absmax / max |level| and the least-squares refit, with the least squared error;
+            ``"absmax"``: the block's absmax rounded to the format and the nearest entry (the
+            ``quantize_kbit`` op, the CUDA kernel on CUDA). Both give the same format.
 
     Returns:
         (packed, absmax, codebook): packed int32 [ceil(n/32) * k] in bit-plane layout, absmax
@@ -165,6 +224,8 @@ def quantize_kbit(
         raise ValueError(
             f"quantize_kbit: absmax_format={absmax_format!r} is not supported; expected one of {tuple(ABSMAX_FORMATS)}"
         )
+    if scale_method not in SCALE_METHODS:
+        raise ValueError(f"quantize_kbit: scale_method={scale_method!r} is not supported; expected one of {SCALE_METHODS}")
     cb = resolve_codebook(codebook, k, A.device)
     limit = {"e4m4": E4M4_MAX, "fp16": _FP16_MAX}.get(absmax_format)
     # Data-dependent (one sync), so not traced: under torch.compile the backend op checks finiteness.
@@ -185,6 +246,12 @@ def quantize_kbit(
                 UserWarning,
                 stacklevel=2,
             )
+    if scale_method == "mse":
+        check_quantize_args(A, cb, k, ABSMAX_FORMATS[absmax_format])  # the op's own checks
+        if not torch.compiler.is_compiling():  # data-dependent; the range check above is skipped there too
+            _check_finite("quantize_kbit", "A", A)
+        packed, absmax = quantize_blocks_mse(A.detach(), cb, k, ABSMAX_FORMATS[absmax_format])
+        return packed, absmax, cb
     packed, absmax = torch.ops.bitsandbytes.quantize_kbit(A, cb, k, ABSMAX_FORMATS[absmax_format])
     return packed, absmax, cb
 

@@ -76,7 +76,9 @@ def test_tensor_mode_prints_a_line_per_codebook_and_k(capsys):
     demo.main(["--tensor", "--device", "cpu", "--k", "4", "2"])
     lines = capsys.readouterr().out.strip().splitlines()
     rows = [line.split() for line in lines[2:]]
-    assert [(r[0], int(r[1])) for r in rows] == [("nf", 4), ("nf", 2), ("uniform", 4), ("uniform", 2), ("fp4", 4)]
+    assert [(r[0], int(r[1])) for r in rows] == [
+        ("lloyd-zero", 4), ("lloyd-zero", 2), ("nf", 4), ("nf", 2), ("uniform", 4), ("uniform", 2), ("fp4", 4)
+    ]
     for r in rows:
         k, bits, err = int(r[1]), float(r[3]), float(r[5])
         assert bits == k + 8 / 32  # k bits + one E4M4 byte per 32 elements

@@ -165,11 +165,11 @@ def test_quantize_produces_the_hand_built_words(k):
     indices = [int(i) for i in torch.randint(0, 2**k, (32,), generator=g)]
     indices[5] = 2**k - 1  # the top level (1.0) sits in the block, so max |x| = 1.0 = E4M4 code 0xB0
     x = cb[torch.tensor(indices)] * 1.0
-    packed, absmax, _ = F.quantize_kbit(x, k=k)
+    packed, absmax, _ = F.quantize_kbit(x, k=k, codebook="nf", scale_method="absmax")
     assert packed.tolist() == planes_from_indices(indices, k)
     assert absmax.tolist() == [0xB0]
     # a tail block: 33 elements -> 2 blocks; the padded positions carry index bits 0
-    packed2, absmax2, _ = F.quantize_kbit(torch.cat([x, cb[-1:]]), k=k)
+    packed2, absmax2, _ = F.quantize_kbit(torch.cat([x, cb[-1:]]), k=k, codebook="nf", scale_method="absmax")
     assert packed2[k:].tolist() == planes_from_indices([2**k - 1], k)
     assert absmax2.tolist() == [0xB0, 0xB0]
 
@@ -183,7 +183,7 @@ def test_quantize_produces_the_hand_built_words(k):
 def test_per_block_error_bound(k, n, absmax_format):
     g = seeded("bound", k, n, absmax_format)
     A = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).clamp(-30, 30)  # varied scales
-    packed, absmax, cb = F.quantize_kbit(A, k=k, absmax_format=absmax_format)
+    packed, absmax, cb = F.quantize_kbit(A, k=k, codebook="nf", scale_method="absmax", absmax_format=absmax_format)
     assert packed.shape == (math.ceil(n / 32) * k,) and packed.dtype == torch.int32
     assert absmax.shape == (math.ceil(n / 32),)
     deq = F.dequantize_kbit(packed, absmax, cb, k, n, dtype=torch.float32)
@@ -209,12 +209,12 @@ def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
 def test_sqnr_on_normal_samples(k):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1_000_000, generator=g)
-    packed, absmax, cb = F.quantize_kbit(x, k=k)
+    packed, absmax, cb = F.quantize_kbit(x, k=k, codebook="nf", scale_method="absmax")
     s = sqnr_db(x, F.dequantize_kbit(packed, absmax, cb, k, x.numel(), dtype=torch.float32))
     assert s > SEED_FLOOR_DB[k]
     assert abs(s - PINNED_SQNR_DB[k]) <= 1.0, s
     # fp32 absmax loses no more than 1.5 dB to E4M4 (seed 000 section 12.2)
-    p32, a32, _ = F.quantize_kbit(x, k=k, absmax_format="fp32")
+    p32, a32, _ = F.quantize_kbit(x, k=k, codebook="nf", scale_method="absmax", absmax_format="fp32")
     s32 = sqnr_db(x, F.dequantize_kbit(p32, a32, cb, k, x.numel(), dtype=torch.float32))
     assert s32 - s < 1.5
 
@@ -233,7 +233,7 @@ def test_dtypes_round_trip(dtype):
 def test_zero_block_and_out():
     A = torch.zeros(70)
     A[40] = 0.5
-    packed, absmax, cb = F.quantize_kbit(A, k=3)
+    packed, absmax, cb = F.quantize_kbit(A, k=3, codebook="nf", scale_method="absmax")
     assert absmax[0] == 0 and absmax[2] == 0
     out = torch.full((70,), float("nan"), dtype=torch.float16)
     res = F.dequantize_kbit(packed, absmax, cb, 3, 70, dtype=torch.float16, out=out)
@@ -362,8 +362,8 @@ def test_cuda_bit_exact_with_default_backend(k, dtype, absmax_format, n):
     g = seeded("cuda", k, dtype, absmax_format, n)
     A = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).clamp(-30, 30).to(dtype)
     cb = F.create_normal_float_codebook(k)
-    p_ref, a_ref, _ = F.quantize_kbit(A, k=k, absmax_format=absmax_format)
-    p_gpu, a_gpu, cb_gpu = F.quantize_kbit(A.cuda(), k=k, absmax_format=absmax_format)
+    p_ref, a_ref, _ = F.quantize_kbit(A, k=k, codebook="nf", scale_method="absmax", absmax_format=absmax_format)
+    p_gpu, a_gpu, cb_gpu = F.quantize_kbit(A.cuda(), k=k, codebook="nf", scale_method="absmax", absmax_format=absmax_format)
     assert p_gpu.is_cuda and cb_gpu.is_cuda
     assert torch.equal(p_gpu.cpu(), p_ref), "packed words"
     assert torch.equal(a_gpu.cpu().view(torch.uint8), a_ref.view(torch.uint8)), "absmax bytes"
@@ -380,8 +380,8 @@ def test_cuda_custom_codebook_and_unaligned_out(k):
     g = seeded("cuda-custom", k)
     A = torch.randn(1001, generator=g)
     levels = torch.rand(2**k - 1, generator=g) * 2 - 0.7  # asymmetric, fewer than 2^k entries
-    p_ref, a_ref, cb = F.quantize_kbit(A, k=k, codebook=levels)
-    p_gpu, a_gpu, cb_gpu = F.quantize_kbit(A.cuda(), k=k, codebook=levels.cuda())
+    p_ref, a_ref, cb = F.quantize_kbit(A, k=k, scale_method="absmax", codebook=levels)
+    p_gpu, a_gpu, cb_gpu = F.quantize_kbit(A.cuda(), k=k, scale_method="absmax", codebook=levels.cuda())
     assert torch.equal(p_gpu.cpu(), p_ref) and torch.equal(a_gpu.cpu(), a_ref)
     big = torch.full((1002,), float("nan"), dtype=torch.float16, device="cuda")
     F.dequantize_kbit(p_gpu, a_gpu, cb_gpu, k, 1001, dtype=torch.float16, out=big[1:])  # 2-byte offset view
@@ -405,9 +405,9 @@ def test_cuda_bad_input():
 @requires_two_gpus
 def test_cuda_second_device():
     A = torch.randn(5000, device="cuda:1")
-    packed, absmax, cb = F.quantize_kbit(A, k=4)
+    packed, absmax, cb = F.quantize_kbit(A, k=4, codebook="nf", scale_method="absmax")
     assert packed.device == A.device and cb.device == A.device
-    p_ref, a_ref, _ = F.quantize_kbit(A.cpu(), k=4)
+    p_ref, a_ref, _ = F.quantize_kbit(A.cpu(), k=4, codebook="nf", scale_method="absmax")
     assert torch.equal(packed.cpu(), p_ref) and torch.equal(absmax.cpu(), a_ref)
     out = F.dequantize_kbit(packed, absmax, cb, 4, 5000, dtype=torch.float32)
     assert out.device == A.device

@@ -33,7 +33,7 @@ from ..nn.modules import LinearKbit, ParamsKbit
 logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "bitsandbytes_kbit"
-_CODEBOOK_NAMES = ("nf", "uniform", "fp4")
+_CODEBOOK_NAMES = kbit_F.CODEBOOK_KINDS
 _COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -55,8 +55,11 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
     Args:
         load_in_kbit: must be True (the name mirrors ``load_in_4bit`` of ``BitsAndBytesConfig``).
         bnb_kbit_bits: k, bits per weight (2, 3, 4 or 5).
-        bnb_kbit_codebook: ``"nf"`` (normal float, default), ``"uniform"``, ``"fp4"`` (k = 4) or a list of
-            at most 2^k floats.
+        bnb_kbit_codebook: None (the default for k, ``DEFAULT_CODEBOOK[k]``: ``"lloyd-zero"`` for every k),
+            a built-in name (``"lloyd"``, ``"lloyd-zero"``, ``"nf"``, ``"uniform"``, ``"fp4"``) or a list of at
+            most 2^k floats.
+        bnb_kbit_scale_method: ``"mse"`` (default: each block's scale chosen for the least error) or
+            ``"absmax"`` (the block's absmax rounded), as ``quantize_kbit``'s ``scale_method``.
         bnb_kbit_compute_dtype: dtype of the matmuls (``torch.float16``, ``torch.bfloat16``,
             ``torch.float32`` or their names); None: the input's dtype.
         skip_modules: module names (or patterns, as transformers matches them) kept in float, added to the
@@ -69,8 +72,9 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
         self,
         load_in_kbit: bool = True,
         bnb_kbit_bits: int = 4,
-        bnb_kbit_codebook: str | list[float] = "nf",
+        bnb_kbit_codebook: None | str | list[float] = None,
         bnb_kbit_compute_dtype: None | str | torch.dtype = None,
+        bnb_kbit_scale_method: str = "mse",
         skip_modules: list[str] | None = None,
         modules_to_not_convert: list[str] | None = None,
         quant_method: str = QUANT_METHOD,
@@ -86,10 +90,10 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
             )
         if isinstance(bnb_kbit_codebook, torch.Tensor):
             bnb_kbit_codebook = bnb_kbit_codebook.tolist()
-        if not isinstance(bnb_kbit_codebook, (str, list, tuple)):
+        if bnb_kbit_codebook is not None and not isinstance(bnb_kbit_codebook, (str, list, tuple)):
             raise TypeError(
-                f"BitsAndBytesKbitConfig: bnb_kbit_codebook={bnb_kbit_codebook!r}; expected one of {_CODEBOOK_NAMES} "
-                "or a list of numbers"
+                f"BitsAndBytesKbitConfig: bnb_kbit_codebook={bnb_kbit_codebook!r}; expected None (the default for k), "
+                f"one of {_CODEBOOK_NAMES} or a list of numbers"
             )
         if isinstance(bnb_kbit_codebook, str):
             if bnb_kbit_codebook not in _CODEBOOK_NAMES:
@@ -97,18 +101,23 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
                     f"BitsAndBytesKbitConfig: bnb_kbit_codebook={bnb_kbit_codebook!r}; expected one of {_CODEBOOK_NAMES} "
                     "or a list of floats"
                 )
-        else:
+        elif bnb_kbit_codebook is not None:
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in bnb_kbit_codebook):
                 raise ValueError(
                     f"BitsAndBytesKbitConfig: bnb_kbit_codebook={list(bnb_kbit_codebook)!r}; expected a list of numbers "
                     f"(at most 2^k finite levels) or one of {_CODEBOOK_NAMES}"
                 )
             bnb_kbit_codebook = [float(v) for v in bnb_kbit_codebook]
+        if bnb_kbit_scale_method not in kbit_F.SCALE_METHODS:
+            raise ValueError(
+                f"BitsAndBytesKbitConfig: bnb_kbit_scale_method={bnb_kbit_scale_method!r}; expected one of "
+                f"{kbit_F.SCALE_METHODS}"
+            )
         # Checks the combination (fp4 needs k = 4, a list at most 2^k finite levels) once, here. The CPU is
         # explicit: transformers builds models under a meta default device.
         spec = (
             bnb_kbit_codebook
-            if isinstance(bnb_kbit_codebook, str)
+            if not isinstance(bnb_kbit_codebook, list)
             else torch.tensor(bnb_kbit_codebook, dtype=torch.float32, device="cpu")
         )
         kbit_F.resolve_codebook(spec, bnb_kbit_bits, "cpu")
@@ -118,6 +127,7 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
         self.load_in_kbit = True
         self.bnb_kbit_bits = int(bnb_kbit_bits)
         self.bnb_kbit_codebook = bnb_kbit_codebook
+        self.bnb_kbit_scale_method = bnb_kbit_scale_method
         self.bnb_kbit_compute_dtype = _dtype_name(bnb_kbit_compute_dtype)
         self.skip_modules = list(skip_modules) if skip_modules is not None else None
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
@@ -126,10 +136,10 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
     def compute_dtype(self) -> torch.dtype | None:
         return _COMPUTE_DTYPES.get(self.bnb_kbit_compute_dtype) if self.bnb_kbit_compute_dtype else None
 
-    def codebook_spec(self) -> str | torch.Tensor:
-        """The codebook as ``quantize_kbit`` / ``LinearKbit`` take it: a built-in's name or a CPU tensor."""
+    def codebook_spec(self) -> None | str | torch.Tensor:
+        """The codebook as ``quantize_kbit`` / ``LinearKbit`` take it: None, a built-in's name or a CPU tensor."""
         cb = self.bnb_kbit_codebook
-        return cb if isinstance(cb, str) else torch.tensor(cb, dtype=torch.float32, device="cpu")
+        return cb if not isinstance(cb, list) else torch.tensor(cb, dtype=torch.float32, device="cpu")
 
     def codebook(self, device=None) -> torch.Tensor:
         """The float32 codebook on ``device``."""
@@ -141,6 +151,7 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
             "load_in_kbit": self.load_in_kbit,
             "bnb_kbit_bits": self.bnb_kbit_bits,
             "bnb_kbit_codebook": self.bnb_kbit_codebook,
+            "bnb_kbit_scale_method": self.bnb_kbit_scale_method,
             "bnb_kbit_compute_dtype": self.bnb_kbit_compute_dtype,
             "skip_modules": self.skip_modules,
             "modules_to_not_convert": self.modules_to_not_convert,
@@ -168,6 +179,7 @@ def replace_with_linear_kbit(
             "k": config.bnb_kbit_bits,
             "codebook": config.codebook_spec(),
             "compute_dtype": config.compute_dtype,
+            "scale_method": config.bnb_kbit_scale_method,
             "device": "meta",
             "dtype": module.weight.dtype,
         }
@@ -209,7 +221,12 @@ class KbitQuantize(ConversionOps):
             if tuple(value.shape) != expected:
                 raise ValueError(f"KbitQuantize: {name} has shape {tuple(value.shape)}; expected {expected}")
             config = self.hf_quantizer.quantization_config
-            params = ParamsKbit.quantize(value, k=config.bnb_kbit_bits, codebook=config.codebook(value.device))
+            params = ParamsKbit.quantize(
+                value,
+                k=config.bnb_kbit_bits,
+                codebook=config.codebook(value.device),
+                scale_method=config.bnb_kbit_scale_method,
+            )
             result[name] = nn.Parameter(params.packed, requires_grad=False)
             result[f"{prefix}.absmax"] = params.absmax
             result[f"{prefix}.codebook"] = params.codebook.clone()

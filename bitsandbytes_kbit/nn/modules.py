@@ -76,8 +76,11 @@ class ParamsKbit:
         return padded_features(self.in_features)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, k: int = 4, codebook: None | str | torch.Tensor = "nf") -> ParamsKbit:
-        """Quantize a float weight [out_features, in_features] (rows zero-padded to a multiple of 32)."""
+    def quantize(
+        cls, weight: torch.Tensor, k: int = 4, codebook: None | str | torch.Tensor = None, scale_method: str = "mse"
+    ) -> ParamsKbit:
+        """Quantize a float weight [out_features, in_features] (rows zero-padded to a multiple of 32).
+        codebook None: the default for k; scale_method: as ``quantize_kbit``."""
         torch._check(
             weight.dim() == 2,
             lambda: f"ParamsKbit.quantize: weight has shape {tuple(weight.shape)}; expected 2-D [out, in]",
@@ -100,7 +103,7 @@ class ParamsKbit:
         pad = padded_features(in_features) - in_features
         if pad:
             W = F.pad(W, (0, pad))
-        packed, absmax, cb = kbit_F.quantize_kbit(W.contiguous(), k=k, codebook=codebook)
+        packed, absmax, cb = kbit_F.quantize_kbit(W.contiguous(), k=k, codebook=codebook, scale_method=scale_method)
         return cls(packed, absmax, cb, k, out_features, in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -171,8 +174,10 @@ class LinearKbit(nn.Linear):
     Args:
         in_features, out_features, bias: as ``nn.Linear``.
         k: bits per weight, 2..5.
-        codebook: ``"nf"`` (normal float, the default), ``"uniform"``, ``"fp4"`` (k = 4) or a float
-            tensor of at most 2^k levels.
+        codebook: None (the default for k, see ``quantize_kbit``), a built-in name (``"lloyd"``,
+            ``"lloyd-zero"``, ``"nf"``, ``"uniform"``, ``"fp4"``) or a float tensor of at most 2^k levels.
+        scale_method: how the weight's block scales are chosen, as ``quantize_kbit``: ``"mse"``
+            (default) or ``"absmax"``.
         compute_dtype: dtype of the matmul. None: the input's dtype. float16 / bfloat16 use the fused
             ``kbit_gemm`` on CUDA; float32 dequantizes and multiplies. The output has the input's dtype.
         device, dtype: where and in which float dtype the (not yet quantized) weight is created.
@@ -196,10 +201,11 @@ class LinearKbit(nn.Linear):
         out_features: int,
         bias: bool = True,
         k: int = 4,
-        codebook: str | torch.Tensor = "nf",
+        codebook: None | str | torch.Tensor = None,
         compute_dtype: torch.dtype | None = None,
         device=None,
         dtype: torch.dtype | None = None,
+        scale_method: str = "mse",
     ):
         check_k("LinearKbit", k)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
@@ -212,8 +218,13 @@ class LinearKbit(nn.Linear):
                 "torch.bfloat16 or torch.float32"
             ),
         )
+        torch._check(
+            scale_method in kbit_F.SCALE_METHODS,
+            lambda: f"LinearKbit: scale_method={scale_method!r} is not supported; expected one of {kbit_F.SCALE_METHODS}",
+        )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.k = k
+        self.scale_method = scale_method
         self.padded_in_features = padded_features(in_features)
         self.compute_dtype = compute_dtype
         self.weight.requires_grad_(False)
@@ -233,8 +244,9 @@ class LinearKbit(nn.Linear):
         cls,
         linear: nn.Linear,
         k: int = 4,
-        codebook: str | torch.Tensor = "nf",
+        codebook: None | str | torch.Tensor = None,
         compute_dtype: torch.dtype | None = None,
+        scale_method: str = "mse",
     ) -> LinearKbit:
         """A quantized copy of ``linear`` on the same device (the float weight is not kept)."""
         torch._check(
@@ -251,11 +263,12 @@ class LinearKbit(nn.Linear):
             compute_dtype=compute_dtype,
             device="meta",
             dtype=weight.dtype,
+            scale_method=scale_method,
         )
         module.codebook = kbit_F.resolve_codebook(codebook, k, weight.device).clone()
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-        module.set_quant_params(ParamsKbit.quantize(weight, k=k, codebook=module.codebook))
+        module.set_quant_params(ParamsKbit.quantize(weight, k=k, codebook=module.codebook, scale_method=scale_method))
         return module
 
     @classmethod
@@ -268,7 +281,7 @@ class LinearKbit(nn.Linear):
         device: default ``torch.get_default_device()``."""
         device = torch.device(device) if device is not None else torch.get_default_device()
         module = cls(in_features, out_features, device="meta", **kwargs)
-        k, codebook = module.k, kwargs.get("codebook", "nf")
+        k, codebook = module.k, kwargs.get("codebook")
         n_words, n_blocks = packed_sizes(k, out_features, in_features)
         module.weight = nn.Parameter(torch.empty(n_words, dtype=torch.int32, device="meta"), requires_grad=False)
         module.absmax = torch.empty(n_blocks, dtype=absmax_dtype, device="meta")
@@ -341,7 +354,8 @@ class LinearKbit(nn.Linear):
                     "parameters): skip int32 parameters when casting, and reload the model"
                 )
             codebook = self.codebook.to(self.weight.device)
-            self.set_quant_params(ParamsKbit.quantize(self.weight, k=self.k, codebook=codebook))
+            params = ParamsKbit.quantize(self.weight, k=self.k, codebook=codebook, scale_method=self.scale_method)
+            self.set_quant_params(params)
         return self
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
