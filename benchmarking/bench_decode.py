@@ -37,13 +37,27 @@ FORMATS = ("bf16", "nf4", "k2", "k3", "k4", "k5")
 MODES = ("a", "b", "c")
 # Llama-3-8B config.json; --tiny: the same architecture at toy width for a CPU check of every code path
 LLAMA3_8B = {
-    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "num_hidden_layers": 32, "vocab_size": 128256, "rope_theta": 500000.0,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
 }
 TINY = {
-    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "num_hidden_layers": 2, "vocab_size": 256, "rope_theta": 500000.0, "max_position_embeddings": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 512,
     "rms_norm_eps": 1e-5,
 }
 CHECK_TOKENS = 8  # greedy tokens of (c) compared with (a)
@@ -78,8 +92,12 @@ def build_model(args, fmt):
             if type(module) is not nn.Linear or any(name == s or name.endswith("." + s) for s in skip):
                 continue
             new = bnb.nn.Linear4bit(
-                module.in_features, module.out_features, bias=module.bias is not None,
-                compute_dtype=torch.bfloat16, quant_type="nf4", device="meta",
+                module.in_features,
+                module.out_features,
+                bias=module.bias is not None,
+                compute_dtype=torch.bfloat16,
+                quant_type="nf4",
+                device="meta",
             )
             new.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4").to(args.device)
             if module.bias is not None:
@@ -159,8 +177,12 @@ def graph_decode(model, prompt, n_new, device):
     prefill_mask = torch.ones(P, max_len, dtype=torch.bool, device=device).tril(0)[None, None].expand(B, 1, P, max_len)
     ck = cache_kwarg(model)
     out = model(
-        prompt, **{ck: cache}, cache_position=torch.arange(P, device=device), attention_mask=prefill_mask,
-        use_cache=True, logits_to_keep=1,
+        prompt,
+        **{ck: cache},
+        cache_position=torch.arange(P, device=device),
+        attention_mask=prefill_mask,
+        use_cache=True,
+        logits_to_keep=1,
     )
     mask[..., :P] = True
     tok = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]: the static input buffer of the step
@@ -169,8 +191,13 @@ def graph_decode(model, prompt, n_new, device):
     def step():
         mask.index_fill_(-1, pos, True)  # the new token attends to itself
         logits = model(
-            tok, **{ck: cache}, cache_position=pos, position_ids=pos.expand(B, 1), attention_mask=mask,
-            use_cache=True, logits_to_keep=1,
+            tok,
+            **{ck: cache},
+            cache_position=pos,
+            position_ids=pos.expand(B, 1),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
         ).logits
         tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
         pos.add_(1)
@@ -223,13 +250,18 @@ class SkipCounter(logging.Handler):
 def attach_skip_counter(counter):
     """Hold `counter` on every torch logger (torch's logging setup can stop records from propagating to "torch");
     the modules that log the skips are imported first so that their loggers exist. Returns the loggers."""
-    for module in ("torch._inductor.cudagraph_utils", "torch._inductor.output_code", "torch._inductor.cudagraph_trees"):
+    for module in (
+        "torch._inductor.cudagraph_utils",
+        "torch._inductor.output_code",
+        "torch._inductor.cudagraph_trees",
+    ):
         try:
             __import__(module)
         except ImportError:
             print(f"bench_decode: {module} not in this torch; its skip lines are counted only if it exists elsewhere")
     loggers = [logging.getLogger("torch")] + [
-        lg for name, lg in logging.Logger.manager.loggerDict.items()
+        lg
+        for name, lg in logging.Logger.manager.loggerDict.items()
         if name.startswith("torch.") and isinstance(lg, logging.Logger)
     ]
     for lg in loggers:
@@ -317,17 +349,26 @@ def main(argv=None):
                         row["cuda_graph"] = used
                         print(
                             f"  [{fmt} B={B} c] "
-                            + ("CUDA graph captured and replayed for every decode step" if used else
-                               "no CUDA device: CUDA graphs skipped, the same step ran eagerly")
+                            + (
+                                "CUDA graph captured and replayed for every decode step"
+                                if used
+                                else "no CUDA device: CUDA graphs skipped, the same step ran eagerly"
+                            )
                         )
                         if ref_tokens is not None:
                             n = min(CHECK_TOKENS, tokens.shape[1], ref_tokens.shape[1])
                             same = (tokens[:, :n] == ref_tokens[:, :n]).all(0).tolist()
                             agree = same.index(False) if False in same else n
                             row["tokens_match_a"] = agree
-                            print(f"  [{fmt} B={B} c] first {n} greedy tokens against (a): {agree} of {n} agree"
-                                  + ("" if agree == n else " (bf16 rounding differs between the dynamic and the static"
-                                     " cache paths; on random weights a near-tie can flip)"))
+                            print(
+                                f"  [{fmt} B={B} c] first {n} greedy tokens against (a): {agree} of {n} agree"
+                                + (
+                                    ""
+                                    if agree == n
+                                    else " (bf16 rounding differs between the dynamic and the static"
+                                    " cache paths; on random weights a near-tie can flip)"
+                                )
+                            )
                 except Exception as exc:  # noqa: BLE001  (one failing cell is reported, the others still run)
                     print(f"  [{fmt} B={B} {mode}] FAILED: {type(exc).__name__}: {exc}", flush=True)
                     row["error"] = f"{type(exc).__name__}: {exc}"
@@ -346,17 +387,31 @@ def main(argv=None):
                         f"; inductor cudagraph_skips counter +{row['inductor_cudagraph_skips']}, 'skipping cudagraphs'"
                         f" log lines: {len(new)}" + (f" (first: {new[0]})" if new else "")
                     )
-                print(f"  [{fmt} B={B} {mode}] {s_tok * 1e3:.2f} ms/token, {1 / s_tok:.1f} tokens/s per sequence"
-                      f" ({time.time() - t_mode:.0f} s){extra}", flush=True)
+                print(
+                    f"  [{fmt} B={B} {mode}] {s_tok * 1e3:.2f} ms/token, {1 / s_tok:.1f} tokens/s per sequence"
+                    f" ({time.time() - t_mode:.0f} s){extra}",
+                    flush=True,
+                )
         del model
         if torch.device(args.device).type == "cuda":
             torch.cuda.empty_cache()
     print_table(results, args, gpu)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "torch": torch.__version__, "layers": args.layers or None, "tiny": args.tiny,
-                       "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "builds": builds,
-                       "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "gpu": gpu,
+                    "torch": torch.__version__,
+                    "layers": args.layers or None,
+                    "tiny": args.tiny,
+                    "new_tokens": args.new_tokens,
+                    "prompt_len": args.prompt_len,
+                    "builds": builds,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
     if args.plot:
         plot(results, args, gpu)
 
@@ -370,8 +425,10 @@ def ratio_vs_bf16(results, row):
 
 def print_table(results, args, gpu):
     names = {"a": "(a) generate eager", "b": "(b) generate static", "c": "(c) CUDA graph"}
-    print(f"\ndecode, {gpu}, {args.layers or ('2' if args.tiny else '32')} layers{' (tiny)' if args.tiny else ''}, "
-          f"{args.new_tokens} new tokens, tokens/s per sequence (x bf16 on the same mode and batch)\n")
+    print(
+        f"\ndecode, {gpu}, {args.layers or ('2' if args.tiny else '32')} layers{' (tiny)' if args.tiny else ''}, "
+        f"{args.new_tokens} new tokens, tokens/s per sequence (x bf16 on the same mode and batch)\n"
+    )
     cols = [(m, B) for m in args.modes for B in args.batch]
     print("| format | " + " | ".join(f"{names[m]} B={B}" for m, B in cols) + " |")
     print("|---|" + "---|" * len(cols))

@@ -105,8 +105,18 @@ def main(argv=None):
         print(f"kbit_gemm - F.linear host time: {rows[f'kbit_gemm k={args.k}'][0] - rows['F.linear'][0]:+.1f} us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "dtype": args.dtype, "n": args.n, "k": args.k, "calls": args.calls,
-                       "us_per_call": {n: {"host": h, "sync": s} for n, (h, s) in rows.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "gpu": gpu,
+                    "dtype": args.dtype,
+                    "n": args.n,
+                    "k": args.k,
+                    "calls": args.calls,
+                    "us_per_call": {n: {"host": h, "sync": s} for n, (h, s) in rows.items()},
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -129,7 +129,10 @@ def bench_shape(name, N, K, ms, ks, dtype, bw, bnb, timing=None):
             row[f"floor_k{k}"] = floor_us(N, K, M, k, bw)
         results[M] = row
         cells = " ".join(f"k{k}={row[f'k{k}']:.1f}" for k in ks)
-        print(f"  {name:>24} M={M:<5} fp16={row['fp16']:.1f} nf4={row.get('nf4', float('nan')):.1f} {cells} us", flush=True)
+        print(
+            f"  {name:>24} M={M:<5} fp16={row['fp16']:.1f} nf4={row.get('nf4', float('nan')):.1f} {cells} us",
+            flush=True,
+        )
     return results
 
 
@@ -172,12 +175,42 @@ def check_targets(all_results, ks):
 
     large = [n for n in LARGE if n in all_results]
     targets = [
-        ("M=1 >= 60% of floor (large shapes, every k)", rows(large, lambda M: M == 1, ks), lambda n, M, r, k: r[f"floor_k{k}"] / r[f"k{k}"], 0.60),
-        ("M=16 >= 50% of floor (large shapes, every k)", rows(large, lambda M: M == 16, ks), lambda n, M, r, k: r[f"floor_k{k}"] / r[f"k{k}"], 0.50),
-        ("M=64 >= 1.3x fp16 (large shapes, k<=4)", rows(large, lambda M: M == 64, [k for k in ks if k <= 4]), lambda n, M, r, k: r["fp16"] / r[f"k{k}"], 1.3),
-        ("M>=1024 >= 0.9x fp16 (large shapes, every k)", rows(large, lambda M: M >= 1024, ks), lambda n, M, r, k: r["fp16"] / r[f"k{k}"], 0.9),
-        ("k=4 faster than NF4 (every shape and M)", rows(list(all_results), lambda M: True, [4] if 4 in ks else []), lambda n, M, r, k: r.get("nf4", float("nan")) / r["k4"], 1.0),
-        ("L8B-q/kv no slower than fp16 at M<=16", rows(["L8B-q", "L8B-kv"], lambda M: M <= 16, ks), lambda n, M, r, k: r["fp16"] / r[f"k{k}"], 1.0),
+        (
+            "M=1 >= 60% of floor (large shapes, every k)",
+            rows(large, lambda M: M == 1, ks),
+            lambda n, M, r, k: r[f"floor_k{k}"] / r[f"k{k}"],
+            0.60,
+        ),
+        (
+            "M=16 >= 50% of floor (large shapes, every k)",
+            rows(large, lambda M: M == 16, ks),
+            lambda n, M, r, k: r[f"floor_k{k}"] / r[f"k{k}"],
+            0.50,
+        ),
+        (
+            "M=64 >= 1.3x fp16 (large shapes, k<=4)",
+            rows(large, lambda M: M == 64, [k for k in ks if k <= 4]),
+            lambda n, M, r, k: r["fp16"] / r[f"k{k}"],
+            1.3,
+        ),
+        (
+            "M>=1024 >= 0.9x fp16 (large shapes, every k)",
+            rows(large, lambda M: M >= 1024, ks),
+            lambda n, M, r, k: r["fp16"] / r[f"k{k}"],
+            0.9,
+        ),
+        (
+            "k=4 faster than NF4 (every shape and M)",
+            rows(list(all_results), lambda M: True, [4] if 4 in ks else []),
+            lambda n, M, r, k: r.get("nf4", float("nan")) / r["k4"],
+            1.0,
+        ),
+        (
+            "L8B-q/kv no slower than fp16 at M<=16",
+            rows(["L8B-q", "L8B-kv"], lambda M: M <= 16, ks),
+            lambda n, M, r, k: r["fp16"] / r[f"k{k}"],
+            1.0,
+        ),
     ]
     for name, rs, value, threshold in targets:
         w = worst(rs, value)
@@ -198,7 +231,9 @@ def select_model_shapes(family_names=None, sample=0, part=None):
     if family_names:
         unknown = sorted(set(family_names) - set(families()))
         if unknown:
-            sys.exit(f"bench_kbit_gemm: --family {', '.join(unknown)} unknown; expected one of {', '.join(families())}")
+            sys.exit(
+                f"bench_kbit_gemm: --family {', '.join(unknown)} unknown; expected one of {', '.join(families())}"
+            )
         shapes = [s for s in shapes if s.family in family_names]
     groups = sorted(distinct_shapes(shapes).items(), key=lambda kv: (kv[0][0] * kv[0][1], kv[0]))
     kept = []
@@ -289,7 +324,9 @@ def models_summary(all_results, shapes, ks):
 
 
 def print_models_summary(rows, nf4_worst, per_shape, shapes, gpu, dtype_name, n_worst=10):
-    print(f"\nsummary, --suite models, {gpu}, {dtype_name}: speedup of kbit_gemm over cuBLAS {dtype_name} (>1 is faster)")
+    print(
+        f"\nsummary, --suite models, {gpu}, {dtype_name}: speedup of kbit_gemm over cuBLAS {dtype_name} (>1 is faster)"
+    )
     print(f"{'N*K':>5} {'M range':>9} {'k':>2} {'worst':>6} {'geomean':>7} {'cells':>5}  worst cell")
     for size, rname, k, w, wname, wm, gmean, n in rows:
         print(f"{size:>5} {rname:>9} {k:>2} {w:>6.2f} {gmean:>7.2f} {n:>5}  {wname} M={wm}")
@@ -311,7 +348,10 @@ def plot_models(all_results, shapes, ks, path, dtype_name, gpu):
 
     fig, axes = plt.subplots(1, len(ks), figsize=(4.5 * len(ks), 4), sharey=True, squeeze=False)
     for ax, k in zip(axes[0], ks):
-        for size, colour, in_size in (("N*K >= 16M", "C0", lambda nk: nk >= BIG_NK), ("N*K < 16M", "C1", lambda nk: nk < BIG_NK)):
+        for size, colour, in_size in (
+            ("N*K >= 16M", "C0", lambda nk: nk >= BIG_NK),
+            ("N*K < 16M", "C1", lambda nk: nk < BIG_NK),
+        ):
             names = [n for n in all_results if in_size(shapes[n][0] * shapes[n][1])]
             if not names:
                 continue
@@ -423,12 +463,20 @@ def main(argv=None):
         est = {n: estimate_shape_s(N, K, ms, ks, MODELS_TIMING) for n, (N, K, _) in shapes.items()}
         print(f"--suite models: {len(shapes)} shapes x {len(ms)} M x (k = {ks}, fp16, NF4)")
         for n, (N, K, group) in shapes.items():
-            print(f"  {n:<40} N*K={N * K / 2**20:6.1f}M  est {est[n]:5.0f} s  ({', '.join(s.model + ':' + s.role for s in group)})")
+            print(
+                f"  {n:<40} N*K={N * K / 2**20:6.1f}M  est {est[n]:5.0f} s  ({', '.join(s.model + ':' + s.role for s in group)})"
+            )
         print(f"estimated total {sum(est.values()):.0f} s (H200 roofline model, timing.py's rotation and settle)")
         if args.list:
             return
     if args.dry_run:
-        info = {"gpu": "dry run (modelled times, no GPU)", "sm_count": 0, "l2_bytes": 0, "torch": torch.__version__, "cuda": None}
+        info = {
+            "gpu": "dry run (modelled times, no GPU)",
+            "sm_count": 0,
+            "l2_bytes": 0,
+            "torch": torch.__version__,
+            "cuda": None,
+        }
         bw = EST_BW
         all_results = dry_run_results(shapes, ms, ks)
         t0 = time.time()
@@ -443,7 +491,9 @@ def main(argv=None):
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float16
         info = gpu_info()
         bw = read_write_bandwidth()
-        print(f"{info['gpu']}, {info['sm_count']} SMs, L2 {l2_bytes() / 2**20:.0f} MiB, read+write bandwidth {bw / 1e9:.0f} GB/s")
+        print(
+            f"{info['gpu']}, {info['sm_count']} SMs, L2 {l2_bytes() / 2**20:.0f} MiB, read+write bandwidth {bw / 1e9:.0f} GB/s"
+        )
         t0 = time.time()
         all_results = {}
         for name, (N, K, _) in shapes.items():
@@ -453,7 +503,9 @@ def main(argv=None):
                 print(f"  ({name}: {time.time() - t_shape:.0f} s, estimated {est[name]:.0f} s)", flush=True)
             if models:
                 torch.cuda.empty_cache()
-    print(f"\n(measured in {time.time() - t0:.0f} s)\nkbit_gemm, {dtype_name}, {info['gpu']}: median us; x = speedup (>1 is faster than the column); %floor = floor/time")
+    print(
+        f"\n(measured in {time.time() - t0:.0f} s)\nkbit_gemm, {dtype_name}, {info['gpu']}: median us; x = speedup (>1 is faster than the column); %floor = floor/time"
+    )
     print_table(all_results, ks, None)
     record = {**info, "dtype": dtype_name, "suite": args.suite, "rw_bandwidth_GBps": bw / 1e9, "ms": ms, "ks": ks}
     if models:
@@ -463,8 +515,16 @@ def main(argv=None):
             for n, (N, K, g) in shapes.items()
         }
         record["summary"] = [
-            {"size": r[0], "m_range": r[1], "k": r[2], "worst": r[3], "worst_shape": r[4], "worst_m": r[5],
-             "geomean": r[6], "cells": r[7]}
+            {
+                "size": r[0],
+                "m_range": r[1],
+                "k": r[2],
+                "worst": r[3],
+                "worst_shape": r[4],
+                "worst_m": r[5],
+                "geomean": r[6],
+                "cells": r[7],
+            }
             for r in rows
         ]
         record["k4_vs_nf4_worst"] = (

@@ -236,8 +236,12 @@ def plot(rows: list[dict], ks, path: str, device: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("MiniLM SQNR", "minilm_weight_sqnr_db", False), ("t4 SQNR", "t4_weight_sqnr_db", False),
-              ("MiniLM cos", "minilm_cosine", False), ("SmolLM2 ppl", "smollm2_ppl", True)]
+    panels = [
+        ("MiniLM SQNR", "minilm_weight_sqnr_db", False),
+        ("t4 SQNR", "t4_weight_sqnr_db", False),
+        ("MiniLM cos", "minilm_cosine", False),
+        ("SmolLM2 ppl", "smollm2_ppl", True),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
     color = {m: f"C{i}" for i, m in enumerate(list(KBIT_METHODS) + list(BNB_METHODS))}  # the same in every panel
     for ax, (title, key, log) in zip(axes, panels):
@@ -266,7 +270,10 @@ def main(argv=None) -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5])
     parser.add_argument("--methods", nargs="+", default=list(KBIT_METHODS), choices=list(KBIT_METHODS))
     parser.add_argument(
-        "--smollm", nargs="*", default=None, metavar="METHOD:K",
+        "--smollm",
+        nargs="*",
+        default=None,
+        metavar="METHOD:K",
         help="evaluate SmolLM2 only for these (e.g. default:4 'bnb nf4:4'); default: every row, none if given empty",
     )
     parser.add_argument("--json", default="", help="write the rows here")
@@ -281,8 +288,10 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     speed = quantize_speed(device)
     say(f"quantize_kbit k = 4 on {device}: " + ", ".join(f"{m} {v / 1e6:.1f} M elements/s" for m, v in speed.items()))
-    say("  at that rate, the linear weights of a Llama-3-8B-shaped model (6.98e9 elements) take: "
-        + ", ".join(f"{m} {LLAMA3_8B_LINEAR / v:.1f} s" for m, v in speed.items()))
+    say(
+        "  at that rate, the linear weights of a Llama-3-8B-shaped model (6.98e9 elements) take: "
+        + ", ".join(f"{m} {LLAMA3_8B_LINEAR / v:.1f} s" for m, v in speed.items())
+    )
     if args.speed_only:
         return
     data = synthetic(device)
@@ -306,16 +315,28 @@ def main(argv=None) -> None:
                 continue
             row.update(m.evaluate(method, k))
         rows.append(row)
-        say(f"  {method} k={k}: " + ", ".join(f"{key} {v:.4g}" for key, v in row.items() if isinstance(v, float))
-            + f" ({time.perf_counter() - t0:.0f} s)")
+        say(
+            f"  {method} k={k}: "
+            + ", ".join(f"{key} {v:.4g}" for key, v in row.items() if isinstance(v, float))
+            + f" ({time.perf_counter() - t0:.0f} s)"
+        )
     say("")
     say(markdown(rows, refs))
     defaults = {k: F.DEFAULT_CODEBOOK[k] for k in args.ks}
     say(f"\ndefault = codebook {defaults} with scale_method='mse'")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"device": str(device), "quantize_elements_per_s": speed, "references": refs,
-             "default_codebook": defaults, "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": str(device),
+                    "quantize_elements_per_s": speed,
+                    "references": refs,
+                    "default_codebook": defaults,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         say(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.ks, args.plot, str(device))

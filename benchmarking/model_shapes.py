@@ -67,22 +67,42 @@ CONFIGS = [
 # qk_rope_head_dim 64, v_head_dim 128, kv_lora_rank 512, moe_intermediate_size 1408, n_shared_experts 2
 # (one fused shared MLP of 2 x 1408), intermediate_size 10944 (the dense first layer).
 DEEPSEEK_V2_LITE = {
-    "hidden": 2048, "heads": 16, "qk_nope": 128, "qk_rope": 64, "v_head": 128, "kv_lora_rank": 512,
-    "moe_inter": 1408, "n_shared": 2, "dense_inter": 10944,
+    "hidden": 2048,
+    "heads": 16,
+    "qk_nope": 128,
+    "qk_rope": 64,
+    "v_head": 128,
+    "kv_lora_rank": 512,
+    "moe_inter": 1408,
+    "n_shared": 2,
+    "dense_inter": 10944,
 }
 
 
 def config_shapes(c: Config) -> list[Shape]:
     q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
     if c.falcon:
-        roles = [("qkv", q + 2 * kv, c.hidden), ("o", c.hidden, q), ("up", c.intermediate, c.hidden),
-                 ("down", c.hidden, c.intermediate)]
+        roles = [
+            ("qkv", q + 2 * kv, c.hidden),
+            ("o", c.hidden, q),
+            ("up", c.intermediate, c.hidden),
+            ("down", c.hidden, c.intermediate),
+        ]
     elif c.fused:
-        roles = [("qkv", q + 2 * kv, c.hidden), ("o", c.hidden, q), ("gate_up", 2 * c.intermediate, c.hidden),
-                 ("down", c.hidden, c.intermediate)]
+        roles = [
+            ("qkv", q + 2 * kv, c.hidden),
+            ("o", c.hidden, q),
+            ("gate_up", 2 * c.intermediate, c.hidden),
+            ("down", c.hidden, c.intermediate),
+        ]
     else:
-        roles = [("q", q, c.hidden), ("kv", kv, c.hidden), ("o", c.hidden, q), ("gate_up", c.intermediate, c.hidden),
-                 ("down", c.hidden, c.intermediate)]
+        roles = [
+            ("q", q, c.hidden),
+            ("kv", kv, c.hidden),
+            ("o", c.hidden, q),
+            ("gate_up", c.intermediate, c.hidden),
+            ("down", c.hidden, c.intermediate),
+        ]
     if c.model.startswith("Mixtral"):  # only the expert MLPs (w1/w3, w2): the attention is Mistral-7B's
         roles = [r for r in roles if r[0] in ("gate_up", "down")]
     return [Shape(c.family, c.model, role, N, K) for role, N, K in roles]

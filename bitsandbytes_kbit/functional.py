@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional, Union
 
 import torch
 
-from . import _ops  # noqa: F401  (defines the torch.library ops)
+from . import _ops
 from ._ops import GEMM_DTYPES, check_gemm_args, check_int, check_k, check_out, check_quantize_args
 from .backends.default.ops import check_finite as _check_finite
 from .backends.default.ops import check_indices_in_codebook, e4m4_table
@@ -25,14 +24,14 @@ from .backends.default.tiled_layout import unrepack_kbit_reference as _unrepack_
 from .scale_search import SCALE_METHODS, quantize_blocks_mse
 
 __all__ = [
-    "create_normal_float_codebook",
     "create_codebook",
-    "encode_absmax_e4m4",
+    "create_normal_float_codebook",
     "decode_absmax_e4m4",
-    "quantize_kbit",
     "dequantize_kbit",
-    "repack_kbit",
+    "encode_absmax_e4m4",
     "kbit_gemm",
+    "quantize_kbit",
+    "repack_kbit",
 ]
 
 CODEBOOK_KINDS = ("lloyd", "lloyd-zero", "nf", "uniform", "fp4")
@@ -42,37 +41,113 @@ DEFAULT_CODEBOOK = {2: "lloyd-zero", 3: "lloyd-zero", 4: "lloyd-zero", 5: "lloyd
 # Lloyd-Max levels for Gaussian weights in blocks of 32 with error-minimizing scales, max |level| = 1.
 # Made by ``python -m bitsandbytes_kbit.scale_search`` (scale_search.data_free_levels: fixed seed, CPU).
 _LLOYD_LEVELS = {
-    ('lloyd', 2): [
-        -1.0, -0.2966192, 0.2966192, 1.0
+    ("lloyd", 2): [-1.0, -0.2966192, 0.2966192, 1.0],
+    ("lloyd", 3): [-1.0, -0.6012591, -0.330557, -0.1057229, 0.1057229, 0.330557, 0.6012591, 1.0],
+    ("lloyd", 4): [
+        -1.0,
+        -0.7628108,
+        -0.5935189,
+        -0.4566639,
+        -0.339897,
+        -0.235325,
+        -0.1384072,
+        -0.0456541,
+        0.0456559,
+        0.138408,
+        0.235325,
+        0.339897,
+        0.4566639,
+        0.5935189,
+        0.7628108,
+        1.0,
     ],
-    ('lloyd', 3): [
-        -1.0, -0.6012591, -0.330557, -0.1057229, 0.1057229, 0.330557, 0.6012591, 1.0
+    ("lloyd", 5): [
+        -1.0,
+        -0.8644214,
+        -0.7532833,
+        -0.6596463,
+        -0.5785836,
+        -0.5071611,
+        -0.4425014,
+        -0.3838842,
+        -0.3300647,
+        -0.2800396,
+        -0.2328157,
+        -0.1877557,
+        -0.1443955,
+        -0.1023668,
+        -0.0612785,
+        -0.0204442,
+        0.0204497,
+        0.0612806,
+        0.102369,
+        0.1443957,
+        0.187756,
+        0.2328143,
+        0.2800357,
+        0.3300568,
+        0.3838762,
+        0.442498,
+        0.5071599,
+        0.5785812,
+        0.659642,
+        0.7532787,
+        0.8644084,
+        0.9999969,
     ],
-    ('lloyd', 4): [
-        -1.0, -0.7628108, -0.5935189, -0.4566639, -0.339897, -0.235325, -0.1384072, -0.0456541, 0.0456559, 0.138408,
-        0.235325, 0.339897, 0.4566639, 0.5935189, 0.7628108, 1.0
+    ("lloyd-zero", 2): [-0.6877934, 0.0, 0.4315934, 1.0],
+    ("lloyd-zero", 3): [-0.9183641, -0.5126179, -0.2365806, 0.0, 0.1820902, 0.3820797, 0.6299295, 1.0],
+    ("lloyd-zero", 4): [
+        -0.9916285,
+        -0.7489533,
+        -0.5752859,
+        -0.4342742,
+        -0.3128172,
+        -0.2029101,
+        -0.0997317,
+        0.0,
+        0.082526,
+        0.1682471,
+        0.2593418,
+        0.3582261,
+        0.469796,
+        0.602002,
+        0.7667697,
+        1.0,
     ],
-    ('lloyd', 5): [
-        -1.0, -0.8644214, -0.7532833, -0.6596463, -0.5785836, -0.5071611, -0.4425014, -0.3838842, -0.3300647,
-        -0.2800396, -0.2328157, -0.1877557, -0.1443955, -0.1023668, -0.0612785, -0.0204442, 0.0204497, 0.0612806,
-        0.102369, 0.1443957, 0.187756, 0.2328143, 0.2800357, 0.3300568, 0.3838762, 0.442498, 0.5071599, 0.5785812,
-        0.659642, 0.7532787, 0.8644084, 0.9999969
-    ],
-    ('lloyd-zero', 2): [
-        -0.6877934, 0.0, 0.4315934, 1.0
-    ],
-    ('lloyd-zero', 3): [
-        -0.9183641, -0.5126179, -0.2365806, 0.0, 0.1820902, 0.3820797, 0.6299295, 1.0
-    ],
-    ('lloyd-zero', 4): [
-        -0.9916285, -0.7489533, -0.5752859, -0.4342742, -0.3128172, -0.2029101, -0.0997317, 0.0, 0.082526, 0.1682471,
-        0.2593418, 0.3582261, 0.469796, 0.602002, 0.7667697, 1.0
-    ],
-    ('lloyd-zero', 5): [
-        -0.9997491, -0.8639963, -0.7526675, -0.6586831, -0.5774398, -0.5057337, -0.4409032, -0.3818331, -0.3271679,
-        -0.2761425, -0.2276305, -0.180862, -0.135048, -0.0894965, -0.0446313, 0.0, 0.0366969, 0.0737219, 0.1118639,
-        0.1513692, 0.1926658, 0.2360783, 0.2820002, 0.3311032, 0.384294, 0.4424454, 0.5067516, 0.5780381, 0.6588292,
-        0.7525901, 0.863995, 1.0
+    ("lloyd-zero", 5): [
+        -0.9997491,
+        -0.8639963,
+        -0.7526675,
+        -0.6586831,
+        -0.5774398,
+        -0.5057337,
+        -0.4409032,
+        -0.3818331,
+        -0.3271679,
+        -0.2761425,
+        -0.2276305,
+        -0.180862,
+        -0.135048,
+        -0.0894965,
+        -0.0446313,
+        0.0,
+        0.0366969,
+        0.0737219,
+        0.1118639,
+        0.1513692,
+        0.1926658,
+        0.2360783,
+        0.2820002,
+        0.3311032,
+        0.384294,
+        0.4424454,
+        0.5067516,
+        0.5780381,
+        0.6588292,
+        0.7525901,
+        0.863995,
+        1.0,
     ],
 }
 ABSMAX_FORMATS = {"e4m4": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
@@ -129,7 +204,9 @@ def create_codebook(kind: str = "nf", k: int = 4, device=None) -> torch.Tensor:
     """
     check_k("create_codebook", k)
     if kind not in CODEBOOK_KINDS:
-        raise ValueError(f"create_codebook: kind={kind!r} is not a built-in codebook; expected one of {CODEBOOK_KINDS}")
+        raise ValueError(
+            f"create_codebook: kind={kind!r} is not a built-in codebook; expected one of {CODEBOOK_KINDS}"
+        )
     if kind == "fp4" and k != 4:
         raise ValueError(f"create_codebook: kind='fp4' is the 4-bit E2M1 grid; got k={k}, expected k=4")
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -170,7 +247,7 @@ def decode_absmax_e4m4(raw: torch.Tensor) -> torch.Tensor:
     return _decode_e4m4(raw)
 
 
-def resolve_codebook(codebook: Union[None, str, torch.Tensor], k: int, device) -> torch.Tensor:
+def resolve_codebook(codebook: None | str | torch.Tensor, k: int, device) -> torch.Tensor:
     """None -> the default for k (``DEFAULT_CODEBOOK``); a string -> that built-in; a tensor -> checked
     (floating point, 1-D, finite, at most 2^k entries), converted to float32 and sorted."""
     check_k("quantize_kbit", k)
@@ -194,7 +271,7 @@ def resolve_codebook(codebook: Union[None, str, torch.Tensor], k: int, device) -
 def quantize_kbit(
     A: torch.Tensor,
     k: int = 4,
-    codebook: Union[None, str, torch.Tensor] = None,
+    codebook: None | str | torch.Tensor = None,
     absmax_format: str = "e4m4",
     scale_method: str = "mse",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -225,7 +302,9 @@ def quantize_kbit(
             f"quantize_kbit: absmax_format={absmax_format!r} is not supported; expected one of {tuple(ABSMAX_FORMATS)}"
         )
     if scale_method not in SCALE_METHODS:
-        raise ValueError(f"quantize_kbit: scale_method={scale_method!r} is not supported; expected one of {SCALE_METHODS}")
+        raise ValueError(
+            f"quantize_kbit: scale_method={scale_method!r} is not supported; expected one of {SCALE_METHODS}"
+        )
     cb = resolve_codebook(codebook, k, A.device)
     limit = {"e4m4": E4M4_MAX, "fp16": _FP16_MAX}.get(absmax_format)
     # Data-dependent (one sync), so not traced: under torch.compile the backend op checks finiteness.
@@ -259,11 +338,11 @@ def quantize_kbit(
 def dequantize_kbit(
     packed: torch.Tensor,
     absmax: torch.Tensor,
-    codebook: Union[None, str, torch.Tensor],
+    codebook: None | str | torch.Tensor,
     k: int,
     n: int,
     dtype: torch.dtype = torch.float16,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dequantize n elements (a flat tensor; ``.view(shape)`` it back). absmax may be uint8
     (E4M4), float16 or float32 and is dispatched on its dtype. With ``out`` (contiguous, [n],
@@ -292,7 +371,6 @@ def dequantize_kbit(
         torch.ops.bitsandbytes.dequantize_kbit.out(packed, absmax, cb, k, n, dtype, out)
         return out
     return torch.ops.bitsandbytes.dequantize_kbit(packed, absmax, cb, k, n, dtype)
-
 
 
 def repack_kbit(
@@ -331,8 +409,8 @@ def kbit_gemm(
     k: int,
     N: int,
     K: int,
-    bias: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C = A @ W^T (+ bias) for a k-bit weight W[N, K] repacked by ``repack_kbit``.
 
@@ -365,7 +443,7 @@ def kbit_gemm(
 _eager_gemm: dict = {}
 
 
-def _eager_launcher(A: torch.Tensor, bias: Optional[torch.Tensor]):
+def _eager_launcher(A: torch.Tensor, bias: torch.Tensor | None):
     if torch.compiler.is_compiling() or type(A) is not torch.Tensor or torch._C._len_torch_dispatch_stack():
         return None
     if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
@@ -374,8 +452,14 @@ def _eager_launcher(A: torch.Tensor, bias: Optional[torch.Tensor]):
 
 
 def _kbit_gemm_prepared(
-    A: torch.Tensor, B_packed: torch.Tensor, B_absmax: torch.Tensor, codebook: torch.Tensor, k: int, N: int, K: int,
-    bias: Optional[torch.Tensor],
+    A: torch.Tensor,
+    B_packed: torch.Tensor,
+    B_absmax: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    N: int,
+    K: int,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """``kbit_gemm`` for a caller that owns the weight (``LinearKbit``): the repacked weight, codebook and bias were
     checked when they were made, so an eager call checks only A against them (dtype, features, device)."""

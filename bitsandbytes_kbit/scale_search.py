@@ -83,7 +83,9 @@ def _best_blocks(blocks: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dt
         b2 = err2.argmin(dim=1, keepdim=True)
         e2 = err2.gather(1, b2).squeeze(1)
         better = e2 < err
-        idx = torch.where(better.unsqueeze(1), idx2.gather(1, b2.unsqueeze(-1).expand(-1, 1, BLOCKSIZE)).squeeze(1), idx)
+        idx = torch.where(
+            better.unsqueeze(1), idx2.gather(1, b2.unsqueeze(-1).expand(-1, 1, BLOCKSIZE)).squeeze(1), idx
+        )
         stored = torch.where(better, st2.gather(1, b2).squeeze(1), stored)
         err = torch.where(better, e2, err)
     return idx, stored, err
@@ -178,4 +180,6 @@ def data_free_levels(k: int, zero: bool) -> torch.Tensor:
 if __name__ == "__main__":  # print the tables as functional.py holds them
     for zero in (False, True):
         for k in range(2, 6):
-            print(f"    ({'lloyd-zero' if zero else 'lloyd'!r}, {k}): {[round(v, 7) for v in data_free_levels(k, zero).tolist()]},")
+            print(
+                f"    ({'lloyd-zero' if zero else 'lloyd'!r}, {k}): {[round(v, 7) for v in data_free_levels(k, zero).tolist()]},"
+            )

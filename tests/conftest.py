@@ -16,7 +16,9 @@ requires_cuda = pytest.mark.skipif(
     reason="needs a CUDA GPU and the native library (libbitsandbytes_kbit_cuda.so)",
 )
 # tests of tensors / models spread over two devices (run on the 2-GPU machine: benchmarking/run_gpu.sh)
-requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (device indices 0 and 1)")
+requires_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (device indices 0 and 1)"
+)
 
 
 def hopper_ready() -> bool:

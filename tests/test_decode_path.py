@@ -150,7 +150,9 @@ def test_cuda_fast_path_equals_the_op(M, k, dtype):
         # a strided input (every other row of a larger buffer) and a 3-D one
         wide = torch.randn(2 * M, K, generator=g).to("cuda", dtype)
         strided = wide[::2]
-        ref = torch.ops.bitsandbytes.kbit_gemm(strided.contiguous(), module.weight, module.absmax, module.codebook, k, N, K, bias)
+        ref = torch.ops.bitsandbytes.kbit_gemm(
+            strided.contiguous(), module.weight, module.absmax, module.codebook, k, N, K, bias
+        )
         assert torch.equal(module(strided), ref)
         assert torch.equal(module(x.view(1, M, K)), expected.view(1, M, N))
 

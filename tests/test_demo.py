@@ -65,10 +65,17 @@ def test_bad_choices(capsys, argv, words):
 
 
 def test_variants_and_k_pick_what_runs(tmp_path):
-    args = demo.parse_args(["--device", "cpu", "--variants", "nf4", "kbit", "--k", "4", "2", "4", "--plot", str(tmp_path / "p.png")])
+    args = demo.parse_args(
+        ["--device", "cpu", "--variants", "nf4", "kbit", "--k", "4", "2", "4", "--plot", str(tmp_path / "p.png")]
+    )
     assert demo.variants_to_run(args) == ["nf4", "k=4", "k=2"]
     assert demo.variants_to_run(demo.parse_args(["--device", "cpu", "--plot", ""])) == [
-        "bf16", "k=5", "k=4", "k=3", "k=2", "nf4"
+        "bf16",
+        "k=5",
+        "k=4",
+        "k=3",
+        "k=2",
+        "nf4",
     ]
 
 
@@ -77,7 +84,13 @@ def test_tensor_mode_prints_a_line_per_codebook_and_k(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], int(r[1])) for r in rows] == [
-        ("lloyd-zero", 4), ("lloyd-zero", 2), ("nf", 4), ("nf", 2), ("uniform", 4), ("uniform", 2), ("fp4", 4)
+        ("lloyd-zero", 4),
+        ("lloyd-zero", 2),
+        ("nf", 4),
+        ("nf", 2),
+        ("uniform", 4),
+        ("uniform", 2),
+        ("fp4", 4),
     ]
     for r in rows:
         k, bits, err = int(r[1]), float(r[3]), float(r[5])

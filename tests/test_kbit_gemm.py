@@ -148,7 +148,9 @@ def test_gemm_bad_input():
         F.kbit_gemm(A.to("meta"), Bp, Ba, cb, k, N, K_dim)
     with pytest.raises(RuntimeError, match=r"packed has 100 words; expected N\*K_dim/32\*k = 480"):
         F.repack_kbit(packed[:100], absmax, k, N, K_dim)
-    with pytest.raises(RuntimeError, match=r"absmax has dtype torch.float32; expected torch.uint8 \(E4M4\) or torch.float16"):
+    with pytest.raises(
+        RuntimeError, match=r"absmax has dtype torch.float32; expected torch.uint8 \(E4M4\) or torch.float16"
+    ):
         F.repack_kbit(packed, absmax.float(), k, N, K_dim)
     with pytest.raises(RuntimeError, match="K_dim=80 is not a multiple of 32"):
         F.repack_kbit(packed, absmax, k, 48, 80)
@@ -226,8 +228,18 @@ def test_cuda_gemm_plan():
     from bitsandbytes_kbit.backends.cuda.ops import gemm_config_available, gemm_num_configs, gemm_plan, kbit_gemm_cuda
 
     # checked against the reference too: the first 8 (narrow weights at M = 9..16, wider ones and short K at M = 5..8)
-    shapes = ((1024, 4096), (2048, 4096), (4096, 14336), (14336, 4096), (8192, 1024), (512, 2048), (3072, 2048),
-              (3072, 1024), (28672, 8192), (1000, 576))
+    shapes = (
+        (1024, 4096),
+        (2048, 4096),
+        (4096, 14336),
+        (14336, 4096),
+        (8192, 1024),
+        (512, 2048),
+        (3072, 2048),
+        (3072, 1024),
+        (28672, 8192),
+        (1000, 576),
+    )
     for (N, K_dim), M, k, sms in itertools.product(shapes, (1, 4, 5, 8, 9, 16, 32, 64, 256), KS, (1, 66, 132, 1000)):
         config, splits = gemm_plan(M, N, K_dim, k, sm_count=sms)
         case = f"N={N} K={K_dim} M={M} k={k} sms={sms}: config {config}, {splits} splits"
@@ -243,7 +255,9 @@ def test_cuda_gemm_plan():
             out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
             kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, None, out, config=forced, sm_count=132, path="fused")
             outs.append(out)
-        assert torch.equal(outs[0], outs[1]), f"N={N} K={K_dim} M={M} k={k}: the plan (config {config}) is not what ran"
+        assert torch.equal(outs[0], outs[1]), (
+            f"N={N} K={K_dim} M={M} k={k}: the plan (config {config}) is not what ran"
+        )
         assert rel_err(outs[0], reference(A, packed, absmax, cb, k, N, K_dim)) <= TOL[torch.float16]
 
 
@@ -258,7 +272,9 @@ def test_cuda_gemm_both_paths(path, k):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("N,K_dim,budget_elems", [(1000, 576, 300 * 576), (600, 1312, 600 * 400)], ids=["rows", "cols"])
+@pytest.mark.parametrize(
+    "N,K_dim,budget_elems", [(1000, 576, 300 * 576), (600, 1312, 600 * 400)], ids=["rows", "cols"]
+)
 @pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=["fp16", "bf16"])
 def test_cuda_staged_chunks(N, K_dim, budget_elems, dtype, monkeypatch):
     """The staged path cut into several chunks: along N for a wide weight (the last chunk not a
@@ -312,8 +328,9 @@ def test_cuda_gemm_every_config_bf16_fp16_absmax(k):
 
     for config in [c for c in range(gemm_num_configs()) if gemm_config_available(c)]:
         for sm_count in (7, 132):
-            run_case(9, 1000, 1312, k, torch.bfloat16, absmax_format="fp16", bias=True, config=config,
-                     sm_count=sm_count)
+            run_case(
+                9, 1000, 1312, k, torch.bfloat16, absmax_format="fp16", bias=True, config=config, sm_count=sm_count
+            )
 
 
 @pytest.mark.cuda
@@ -327,11 +344,13 @@ def test_cuda_gemm_one_token_every_config(k):
 
     for config in [-1] + [c for c in range(gemm_num_configs()) if gemm_config_available(c)]:
         for sm_count in (7, 132):
-            run_case(1, 1000, 1312, k, torch.bfloat16, absmax_format="fp16", bias=True, config=config,
-                     sm_count=sm_count)
+            run_case(
+                1, 1000, 1312, k, torch.bfloat16, absmax_format="fp16", bias=True, config=config, sm_count=sm_count
+            )
             out = run_case(1, 1000, 1312, k, torch.float16, bias=config % 2 == 0, config=config, sm_count=sm_count)
-            assert torch.equal(out, run_case(1, 1000, 1312, k, torch.float16, bias=config % 2 == 0, config=config,
-                                             sm_count=sm_count))
+            assert torch.equal(
+                out, run_case(1, 1000, 1312, k, torch.float16, bias=config % 2 == 0, config=config, sm_count=sm_count)
+            )
         N, K_dim = 1000, 4096
         packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
         Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
@@ -366,8 +385,9 @@ def test_cuda_gemm_two_split_clusters(k):
     from bitsandbytes_kbit.backends.cuda.ops import gemm_plan
 
     found = set()
-    for M, (N, K_dim), sms in itertools.product((1, 6, 16), ((14336, 4096), (4096, 4096), (1000, 14336), (8192, 2048)),
-                                                (132, 66, 33)):
+    for M, (N, K_dim), sms in itertools.product(
+        (1, 6, 16), ((14336, 4096), (4096, 4096), (1000, 14336), (8192, 2048)), (132, 66, 33)
+    ):
         config, splits = gemm_plan(M, N, K_dim, k, sm_count=sms)
         if splits != 2 or (config, M) in found:
             continue

@@ -118,7 +118,9 @@ def test_hand_built_block_decodes_to_known_values(k):
     g = seeded("hand", k)
     cb = F.create_normal_float_codebook(k)
     indices = [int(i) for i in torch.randint(0, 2**k, (2, 32), generator=g).flatten()]
-    packed = torch.tensor(planes_from_indices(indices[:32], k) + planes_from_indices(indices[32:], k), dtype=torch.int32)
+    packed = torch.tensor(
+        planes_from_indices(indices[:32], k) + planes_from_indices(indices[32:], k), dtype=torch.int32
+    )
     absmax = torch.tensor([0xB0, 0x9C], dtype=torch.uint8)  # 2^0 * 1 = 1.0 and 2^-2 * (1 + 12/16) = 0.4375
     out = F.dequantize_kbit(packed, absmax, cb, k, 64, dtype=torch.float32)
     # float32(codebook * scale): the exact double product rounded once to float32
@@ -294,7 +296,9 @@ def test_bad_input_messages():
     packed, absmax, cb = F.quantize_kbit(A, k=4)
     with pytest.raises(RuntimeError, match=r"packed has 16 words; expected ceil\(n/32\)\*k = 12"):
         F.dequantize_kbit(packed, absmax, F.create_normal_float_codebook(3), 3, 100)
-    with pytest.raises(RuntimeError, match=r"codebook has shape \(16,\); expected a 1-D tensor of 1\.\.8 entries for k=3"):
+    with pytest.raises(
+        RuntimeError, match=r"codebook has shape \(16,\); expected a 1-D tensor of 1\.\.8 entries for k=3"
+    ):
         F.dequantize_kbit(packed, absmax, cb, 3, 100)
     with pytest.raises(RuntimeError, match=r"absmax has 3 entries; expected ceil\(n/32\) = 4"):
         F.dequantize_kbit(packed, absmax[:3], cb, 4, 100)
@@ -363,7 +367,9 @@ def test_cuda_bit_exact_with_default_backend(k, dtype, absmax_format, n):
     A = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).clamp(-30, 30).to(dtype)
     cb = F.create_normal_float_codebook(k)
     p_ref, a_ref, _ = F.quantize_kbit(A, k=k, codebook="nf", scale_method="absmax", absmax_format=absmax_format)
-    p_gpu, a_gpu, cb_gpu = F.quantize_kbit(A.cuda(), k=k, codebook="nf", scale_method="absmax", absmax_format=absmax_format)
+    p_gpu, a_gpu, cb_gpu = F.quantize_kbit(
+        A.cuda(), k=k, codebook="nf", scale_method="absmax", absmax_format=absmax_format
+    )
     assert p_gpu.is_cuda and cb_gpu.is_cuda
     assert torch.equal(p_gpu.cpu(), p_ref), "packed words"
     assert torch.equal(a_gpu.cpu().view(torch.uint8), a_ref.view(torch.uint8)), "absmax bytes"

@@ -114,11 +114,16 @@ def test_one_copy_repacked_in_place_and_saved_flat():
     param = module.weight
     assert module._tiled is True and module.weight.dim() == 2  # the repacked layout, [units, words]
     assert module(x).equal(y) and module.weight is param  # converted once; the Parameter object is kept
-    int_bytes = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()] if t.dtype == torch.int32)
+    int_bytes = sum(
+        t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()] if t.dtype == torch.int32
+    )
     assert int_bytes == module.weight.numel() * 4 + module.kbit_format.numel() * 4  # no second packed copy
     saved = module.state_dict()
     assert set(saved) == set(flat_state) and all(torch.equal(saved[key], flat_state[key]) for key in saved)
-    assert torch.equal(module.dequantize(torch.float32), LinearKbit.from_linear(make_linear(64, 32, True, "cache"), k=4).dequantize(torch.float32))
+    assert torch.equal(
+        module.dequantize(torch.float32),
+        LinearKbit.from_linear(make_linear(64, 32, True, "cache"), k=4).dequantize(torch.float32),
+    )
     module.fused_device_types = ()
     assert torch.equal(module(x), y) and module._tiled is False  # the flat path: back to the flat words
     assert torch.equal(module.weight, flat_state["weight"])

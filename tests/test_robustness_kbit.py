@@ -236,7 +236,10 @@ def test_unclear_argument_errors_name_the_argument():
         F.repack_kbit(p2, a2, 4, 32.0, 64)
     import numpy as np
 
-    assert torch.equal(F.dequantize_kbit(packed, absmax, cb, k=np.int64(4), n=np.int64(64)), F.dequantize_kbit(packed, absmax, cb, 4, 64))
+    assert torch.equal(
+        F.dequantize_kbit(packed, absmax, cb, k=np.int64(4), n=np.int64(64)),
+        F.dequantize_kbit(packed, absmax, cb, 4, 64),
+    )
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
@@ -281,7 +284,9 @@ def test_quantize_compiles_fullgraph():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kind,k", [("nf", 2), ("nf", 3), ("nf", 4), ("nf", 5), ("uniform", 2), ("uniform", 4), ("fp4", 4)])
+@pytest.mark.parametrize(
+    "kind,k", [("nf", 2), ("nf", 3), ("nf", 4), ("nf", 5), ("uniform", 2), ("uniform", 4), ("fp4", 4)]
+)
 def test_error_bound_across_the_e4m4_range(kind, k):
     """docs/format.md: the relative bound for amax >= 2^-10, the absolute one below (E4M4 subnormals), for the
     absmax scale rule (the error-minimizing rule trades a larger error on the block's largest element for a smaller

@@ -170,7 +170,7 @@ def test_linear_kbit_passes_scale_method(scale_method):
     lin = torch.nn.Linear(64, 24)
     with torch.no_grad():
         lin.weight.copy_(sample("t4", 64 * 24, g).view(24, 64))
-    expected, absmax, cb = F.quantize_kbit(lin.weight.detach(), k=3, scale_method=scale_method)
+    expected, absmax, _cb = F.quantize_kbit(lin.weight.detach(), k=3, scale_method=scale_method)
     module = LinearKbit.from_linear(lin, k=3, scale_method=scale_method)
     assert torch.equal(module.weight, expected) and torch.equal(module.absmax, absmax)
     assert torch.equal(module.codebook, F.create_codebook(F.DEFAULT_CODEBOOK[3], 3))

@@ -42,7 +42,10 @@ def float_dir(tmp_path_factory):
 def quantized(float_dir, tmp_path_factory):
     """(model quantized on load, its save_pretrained folder, greedy tokens)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        float_dir, quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=K), dtype=torch.float32, device_map={"": "cpu"}
+        float_dir,
+        quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=K),
+        dtype=torch.float32,
+        device_map={"": "cpu"},
     )  # CPU tests: pinned to the CPU also on a machine with a GPU (the cuda tests below cover that)
     ids = torch.tensor([[1, 17, 42, 99, 7, 3]])
     tokens = model.generate(ids, max_new_tokens=8, do_sample=False)
@@ -142,7 +145,9 @@ def test_save_and_reload_is_bit_identical(quantized):
     assert saved[f"{q}.absmax"].dtype == torch.uint8 and saved[f"{q}.codebook"].dtype == torch.float32
     assert saved[f"{q}.kbit_format"].tolist() == [1, K, 64, 176, 192]
 
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(path, device_map={"": "cpu"})  # no quantization_config
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        path, device_map={"": "cpu"}
+    )  # no quantization_config
     assert sum(isinstance(m, LinearKbit) for m in reloaded.modules()) == N_LINEAR
     ours, theirs = model.state_dict(), reloaded.state_dict()
     assert set(ours) == set(theirs)
@@ -167,7 +172,10 @@ def test_whole_model_traces_without_graph_breaks(quantized):
 
 def test_bf16_load_keeps_quantized_state_and_dtype_guard(float_dir):
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        float_dir, quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=4), dtype=torch.bfloat16, device_map={"": "cpu"}
+        float_dir,
+        quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=4),
+        dtype=torch.bfloat16,
+        device_map={"": "cpu"},
     )
     layer = model.model.layers[1].self_attn.o_proj
     assert isinstance(layer, LinearKbit)

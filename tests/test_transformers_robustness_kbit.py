@@ -72,7 +72,9 @@ def test_gpt2_conv1d_layers_are_quantized(tmp_path):
     float_model = _tiny_gpt2()
     float_model.save_pretrained(tmp_path / "float")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "float", quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=4), dtype=torch.float32,
+        tmp_path / "float",
+        quantization_config=BitsAndBytesKbitConfig(bnb_kbit_bits=4),
+        dtype=torch.float32,
         device_map={"": "cpu"},
     )
     assert not any(isinstance(m, Conv1D) for m in model.modules())
@@ -91,7 +93,9 @@ def test_gpt2_conv1d_layers_are_quantized(tmp_path):
     with torch.no_grad():
         logits = model(IDS % 96).logits
     model.save_pretrained(tmp_path / "kbit")
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32, device_map={"": "cpu"})
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "kbit", dtype=torch.float32, device_map={"": "cpu"}
+    )
     assert sum(isinstance(m, LinearKbit) for m in again.modules()) == len(converted)
     with torch.no_grad():
         assert torch.equal(again(IDS % 96).logits, logits)

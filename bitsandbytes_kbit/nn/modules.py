@@ -90,7 +90,9 @@ class ParamsKbit:
             lambda: f"ParamsKbit.quantize: weight has dtype {weight.dtype}; expected a floating-point tensor",
         )
         if weight.device.type == "meta":
-            raise ValueError("ParamsKbit.quantize: weight is on the meta device (no values); load or materialize it first")
+            raise ValueError(
+                "ParamsKbit.quantize: weight is on the meta device (no values); load or materialize it first"
+            )
         out_features, in_features = weight.shape
         W = weight.detach()
         amax = float(W.abs().max()) if W.numel() else 0.0
@@ -220,7 +222,9 @@ class LinearKbit(nn.Linear):
         )
         torch._check(
             scale_method in kbit_F.SCALE_METHODS,
-            lambda: f"LinearKbit: scale_method={scale_method!r} is not supported; expected one of {kbit_F.SCALE_METHODS}",
+            lambda: (
+                f"LinearKbit: scale_method={scale_method!r} is not supported; expected one of {kbit_F.SCALE_METHODS}"
+            ),
         )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.k = k
@@ -365,7 +369,14 @@ class LinearKbit(nn.Linear):
         if not self.is_quantized:
             return self.weight.detach().to(dtype)
         W = _dequantize_stored(
-            self.weight, self.absmax, self.codebook, self.k, self.out_features, self.padded_in_features, dtype, self._tiled
+            self.weight,
+            self.absmax,
+            self.codebook,
+            self.k,
+            self.out_features,
+            self.padded_in_features,
+            dtype,
+            self._tiled,
         )
         return W[:, : self.in_features] if self.padded_in_features != self.in_features else W
 
@@ -522,7 +533,9 @@ class LinearKbit(nn.Linear):
         # Checkpoints hold the flat format whatever the storage layout (DESIGN.md section 3).
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._tiled:
-            packed, absmax = _flat_from_tiled(self.weight, self.absmax, self.k, self.out_features, self.padded_in_features)
+            packed, absmax = _flat_from_tiled(
+                self.weight, self.absmax, self.k, self.out_features, self.padded_in_features
+            )
             destination[prefix + "weight"] = packed if keep_vars else packed.detach()
             destination[prefix + "absmax"] = absmax
 
@@ -533,7 +546,9 @@ class LinearKbit(nn.Linear):
         """Repack the weight in place for the fused kernel (once per load or quantization); the flat
         words are freed, so one copy of the packed weight exists."""
         if not self._tiled:
-            B_packed, B_absmax = kbit_F.repack_kbit(self.weight, self.absmax, self.k, self.out_features, self.padded_in_features)
+            B_packed, B_absmax = kbit_F.repack_kbit(
+                self.weight, self.absmax, self.k, self.out_features, self.padded_in_features
+            )
             self.weight.data = B_packed
             self.absmax = B_absmax
             self._tiled = True
@@ -541,7 +556,9 @@ class LinearKbit(nn.Linear):
     @torch.no_grad()
     def _to_flat(self) -> None:
         if self._tiled:
-            packed, absmax = _flat_from_tiled(self.weight, self.absmax, self.k, self.out_features, self.padded_in_features)
+            packed, absmax = _flat_from_tiled(
+                self.weight, self.absmax, self.k, self.out_features, self.padded_in_features
+            )
             self.weight.data = packed
             self.absmax = absmax
             self._tiled = False

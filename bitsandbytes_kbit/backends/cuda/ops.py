@@ -29,16 +29,59 @@ _ABSMAX_NAME = {torch.uint8: "u8abs", torch.float16: "fp16abs", torch.float32: "
 # The ctypes signatures, one table (upstream's _setup_ctypes); every entry returns a cudaError_t.
 _SIGNATURES = {
     # (A, codebook, codebook_len, packed, absmax, n, stream)
-    "cquantize_kbit_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_void_p, ct.c_longlong, ct.c_void_p],
+    "cquantize_kbit_{dtype}_{absmax}_k{k}": [
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_int,
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_longlong,
+        ct.c_void_p,
+    ],
     # (packed, absmax, codebook, codebook_len, out, n, stream)
-    "cdequantize_kbit_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_longlong, ct.c_void_p],
+    "cdequantize_kbit_{dtype}_{absmax}_k{k}": [
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_int,
+        ct.c_void_p,
+        ct.c_longlong,
+        ct.c_void_p,
+    ],
     # (packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream)
-    "ckbit_repack_k{k}_{absmax}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_int, ct.c_void_p],
+    "ckbit_repack_k{k}_{absmax}": [
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_int,
+        ct.c_int,
+        ct.c_void_p,
+    ],
     # (B_packed, B_absmax, codebook, codebook_len, out, N, K_dim, n_begin, n_end, k_begin, k_end, stream)
-    "cdequantize_tiled_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p] + [ct.c_int] * 6 + [ct.c_void_p],
+    "cdequantize_tiled_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p]
+    + [ct.c_int] * 6
+    + [ct.c_void_p],
     # (A, B_packed, B_absmax, codebook, codebook_len, bias, C, M, N, K_dim, lda, workspace, workspace_bytes,
     #  sm_count, config_override, stream)
-    "ckbit_gemm_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_int, ct.c_int, ct.c_int, ct.c_void_p, ct.c_size_t, ct.c_int, ct.c_int, ct.c_void_p],
+    "ckbit_gemm_{dtype}_{absmax}_k{k}": [
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_int,
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_int,
+        ct.c_int,
+        ct.c_int,
+        ct.c_int,
+        ct.c_void_p,
+        ct.c_size_t,
+        ct.c_int,
+        ct.c_int,
+        ct.c_void_p,
+    ],
 }
 _GEMM_DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _GEMM_ABSMAX_NAME = {torch.uint8: "u8abs", torch.float16: "fp16abs"}
@@ -102,7 +145,9 @@ def _call(op: str, fn, *args) -> None:
 def _(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     check_quantize_args(A, codebook, k, absmax_dtype)
     check_finite("quantize_kbit", "A", A)
-    fn = _entry("cquantize_kbit_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[A.dtype], absmax=_ABSMAX_NAME[absmax_dtype], k=k)
+    fn = _entry(
+        "cquantize_kbit_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[A.dtype], absmax=_ABSMAX_NAME[absmax_dtype], k=k
+    )
     A = A.contiguous()
     codebook = codebook.contiguous()
     nb = num_blocks(A.numel())
@@ -110,20 +155,36 @@ def _(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype
     absmax = torch.empty(nb, dtype=absmax_dtype, device=A.device)
     with torch.cuda.device(A.device):
         _call(
-            "quantize_kbit", fn, _ptr(A), _ptr(codebook), codebook.numel(), _ptr(packed), _ptr(absmax),
-            A.numel(), _stream(A),
+            "quantize_kbit",
+            fn,
+            _ptr(A),
+            _ptr(codebook),
+            codebook.numel(),
+            _ptr(packed),
+            _ptr(absmax),
+            A.numel(),
+            _stream(A),
         )
     return packed, absmax
 
 
 def _dequantize(packed, absmax, codebook, k, n, dtype, out) -> None:
-    fn = _entry("cdequantize_kbit_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[dtype], absmax=_ABSMAX_NAME[absmax.dtype], k=k)
+    fn = _entry(
+        "cdequantize_kbit_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[dtype], absmax=_ABSMAX_NAME[absmax.dtype], k=k
+    )
     packed = packed.contiguous()
     absmax = absmax.contiguous()
     codebook = codebook.contiguous()
     with torch.cuda.device(packed.device):
         _call(
-            "dequantize_kbit", fn, _ptr(packed), _ptr(absmax), _ptr(codebook), codebook.numel(), _ptr(out), n,
+            "dequantize_kbit",
+            fn,
+            _ptr(packed),
+            _ptr(absmax),
+            _ptr(codebook),
+            codebook.numel(),
+            _ptr(out),
+            n,
             _stream(packed),
         )
 
@@ -179,10 +240,14 @@ def _workspace(device: torch.device, needed: int) -> torch.Tensor:
     index = device.index
     ws = _workspaces.get(index)
     if (ws is None or ws.numel() < needed) and not torch.cuda.is_current_stream_capturing():
-        ws = torch.zeros(max(needed, _MIN_WORKSPACE_BYTES, 0 if ws is None else ws.numel()), dtype=torch.uint8, device=device)
+        ws = torch.zeros(
+            max(needed, _MIN_WORKSPACE_BYTES, 0 if ws is None else ws.numel()), dtype=torch.uint8, device=device
+        )
         _workspaces[index] = ws
     if ws is None:
-        raise RuntimeError("kbit_gemm: first call on this device happened under CUDA-graph capture; run it once eagerly first")
+        raise RuntimeError(
+            "kbit_gemm: first call on this device happened under CUDA-graph capture; run it once eagerly first"
+        )
     return ws
 
 
@@ -219,12 +284,27 @@ def gemm_plan(M: int, N: int, K_dim: int, k: int, sm_count: int = 0, device=None
 def _dequantize_tiled_block(B_packed, B_absmax, codebook, k, N, K_dim, n_begin, n_end, k_begin, k_end, out) -> None:
     """W[n_begin:n_end, k_begin:k_end] into the contiguous ``out`` (n_begin % 16 == 0, k_begin % 128 == 0)."""
     fn = _entry(
-        "cdequantize_tiled_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[out.dtype], absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype], k=k
+        "cdequantize_tiled_{dtype}_{absmax}_k{k}",
+        dtype=_GEMM_DTYPE_NAME[out.dtype],
+        absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype],
+        k=k,
     )
     with torch.cuda.device(out.device):
         _call(
-            "dequantize_kbit_tiled", fn, _ptr(B_packed), _ptr(B_absmax), _ptr(codebook), codebook.numel(), _ptr(out),
-            N, K_dim, n_begin, n_end, k_begin, k_end, _stream(out),
+            "dequantize_kbit_tiled",
+            fn,
+            _ptr(B_packed),
+            _ptr(B_absmax),
+            _ptr(codebook),
+            codebook.numel(),
+            _ptr(out),
+            N,
+            K_dim,
+            n_begin,
+            n_end,
+            k_begin,
+            k_end,
+            _stream(out),
         )
 
 
@@ -281,6 +361,7 @@ def staging_chunks(N: int, K_dim: int, elem_bytes: int = 2, M: int = 0) -> tuple
     return axis, [(i, min(length, i + step)) for i in range(0, length, step)]
 
 
+@torch.no_grad()  # the op has no autograd formula; cuBLAS' out= calls refuse inputs that require grad
 def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> bool:
     axis, chunks = staging_chunks(N, K_dim, A2.element_size(), A2.shape[0])
     span = max(e - b for b, e in chunks)
@@ -321,7 +402,9 @@ def _staged_preferred(lib, device, M, N, K_dim, k, sms) -> bool:
 
 @functools.cache
 def _gemm_entry(dtype: torch.dtype, absmax_dtype: torch.dtype, k: int) -> ct._CFuncPtr:
-    return _entry("ckbit_gemm_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[dtype], absmax=_GEMM_ABSMAX_NAME[absmax_dtype], k=k)
+    return _entry(
+        "ckbit_gemm_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[dtype], absmax=_GEMM_ABSMAX_NAME[absmax_dtype], k=k
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -357,7 +440,10 @@ def kbit_gemm_cuda(
     index = A.get_device()
     sms = sm_count or _sm_count(index)
     staged = path == "staged" or (
-        path == "auto" and config < 0 and M >= STAGED_MIN_M and _staged_preferred(get_lib(), A.device, M, N, K_dim, k, sms)
+        path == "auto"
+        and config < 0
+        and M >= STAGED_MIN_M
+        and _staged_preferred(get_lib(), A.device, M, N, K_dim, k, sms)
     )
     if staged and _staged_gemm(A2.view(M, K_dim), B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
         return  # else (no scratch under graph capture) the fused kernel
@@ -367,9 +453,22 @@ def kbit_gemm_cuda(
     if ws is None or ws.numel() < ws_bytes:
         ws = _workspace(A.device, ws_bytes)
     args = (
-        A2.data_ptr(), B_packed.data_ptr(), B_absmax.data_ptr(), codebook.data_ptr(), codebook.numel(),
-        bias.data_ptr() if bias is not None else None, out.data_ptr(), M, N, K_dim, lda, ws.data_ptr(),
-        ws.numel(), sms, config, torch._C._cuda_getCurrentRawStream(index),
+        A2.data_ptr(),
+        B_packed.data_ptr(),
+        B_absmax.data_ptr(),
+        codebook.data_ptr(),
+        codebook.numel(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        M,
+        N,
+        K_dim,
+        lda,
+        ws.data_ptr(),
+        ws.numel(),
+        sms,
+        config,
+        torch._C._cuda_getCurrentRawStream(index),
     )
     if torch._C._cuda_getDevice() == index:
         err = fn(*args)

@@ -232,7 +232,9 @@ def _(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int) ->
     return B_packed.reshape(words_shape), B_absmax.reshape(absmax_shape)
 
 
-def dequantize_tiled(B_packed: torch.Tensor, B_absmax: torch.Tensor, codebook: torch.Tensor, k: int, N: int, K_dim: int):
+def dequantize_tiled(
+    B_packed: torch.Tensor, B_absmax: torch.Tensor, codebook: torch.Tensor, k: int, N: int, K_dim: int
+):
     """The float32 weight W[N, K_dim] that a repacked (tiled) weight holds."""
     packed, absmax = unrepack_kbit_reference(B_packed.reshape(-1), B_absmax.reshape(-1), k, N, K_dim)
     return dequantize_kbit_impl(packed, absmax, codebook, k, N * K_dim, torch.float32).view(N, K_dim)
