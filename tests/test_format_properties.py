@@ -17,8 +17,8 @@ import torch
 import bitsandbytes_kbit.functional as F
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def e4m4_decode_np(codes: np.ndarray) -> np.ndarray:
