@@ -27,6 +27,7 @@ import argparse
 import inspect
 import json
 import logging
+import statistics
 import sys
 import time
 
@@ -139,9 +140,10 @@ class StepClock:
         return scores
 
 
-def generate_timed(model, prompt, n_new, static, device):
-    """(seconds per new token with prefill excluded, the generated tokens). One length for warm-up and timing, so
-    mode (b) compiles once."""
+def generate_timed(model, prompt, n_new, static, device, repeats=3):
+    """(seconds per new token with prefill excluded, the generated tokens): the median of `repeats` timed runs, since
+    an eager run is bound by host time, which varies from run to run. One length for warm-up and timing, so mode (b)
+    compiles once."""
     from transformers import LogitsProcessorList
 
     kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
@@ -150,12 +152,15 @@ def generate_timed(model, prompt, n_new, static, device):
         kwargs["cache_implementation"] = "static"
     for _ in range(2 if static else 1):  # warm-up (b: transformers compiles the forward here)
         model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
-    clock = StepClock(device)
-    out = model.generate(
-        prompt, attention_mask=torch.ones_like(prompt), logits_processor=LogitsProcessorList([clock]), **kwargs
-    )
-    sync(device)
-    return (clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1), out[:, prompt.shape[1] :]
+    per_token = []
+    for _ in range(repeats):
+        clock = StepClock(device)
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), logits_processor=LogitsProcessorList([clock]), **kwargs
+        )
+        sync(device)
+        per_token.append((clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1))
+    return statistics.median(per_token), out[:, prompt.shape[1] :]
 
 
 def cache_kwarg(model):

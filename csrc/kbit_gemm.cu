@@ -33,15 +33,13 @@ static bool check_launch(const char* what) {
 //   id  MB MT WARPS_N WARPS_K   reason
 // ---------------------------------------------------------------------------------------------
 #define KBIT_CONFIG_TABLE(X)                                                                                         \
-    X(0, 1, 2, 2, 4) /* small weights, M <= 4: one token tile, A in the ring, 2 units per warp              */ \
-    X(1, 2, 2, 2, 4) /* small weights, 4 < M <= 16: 2 token tiles share each fragment, A in registers      */
+    X(0, 1, 2, 2, 4) /* small weights, few tokens: one token tile, A in the ring, 2 units per warp           */
 // Shared-A configs (KbitSharedAConfig: WARPS_N x WARPS_K warps, the A tile of a CTA step in one ring):
 //   id  MB MT CTAs/SM WARPS_K WARPS_N   reason
 #define KBIT_SHARED_A_TABLE(X)                                                                                       \
     X(2, 1, 2, 2, 1, 8) /* M <= 8:        256 x 8 CTA tile, 112 KB                                          */      \
     X(3, 2, 2, 2, 1, 8) /* 8 < M <= 16:   256 x 16                                                             */      \
     X(4, 4, 2, 2, 1, 8) /* M > 16:        256 x 32 (and M > 32 when the wide tiles would not fill 1/8 of the SMs) */   \
-    X(5, 8, 2, 1, 1, 8) /* M > 32 ("wide"): 256 x 64, 226 KB (sm_90)                                            */      \
     X(8, 1, 2, 2, 2, 4) /* config 2 as 128 x 8 CTA tiles, 2 warps along k: half the split-K splits (split-heavy) */    \
     X(9, 2, 2, 2, 2, 4) /* config 3 as 128 x 16                                                                 */      \
     X(10, 1, 2, 2, 1, 7) /* config 2 as 224 x 8 (7 warps): a lighter busiest SM where 256-row tiles leave slots idle */ \
@@ -60,14 +58,15 @@ constexpr int WS_CONFIG = 7;
 constexpr int NUM_CONFIGS = 14;
 constexpr int SIXTEEN_WARP_CONFIG = 11;   // config 3 as 16 warps in a CTA per SM
 constexpr int FOURTEEN_WARP_CONFIG = 13;  // config 11 as 224-row tiles: 14 warps in a CTA per SM
-constexpr int WARPS_K_CONFIG_OFFSET = 6; // configs 8, 9 = configs 2, 3 with two warps along k
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
-constexpr int WIDE_CONFIG = 5;            // MB = 8
+// Ids 1 (per-warp, two token tiles) and 5 (shared-A, 256 x 64) are retired: no sweep cell found either faster than
+// every other candidate by 3% (benchmarking/calibrate_dispatch.py); the ids stay unused so the others keep theirs.
+constexpr int RETIRED_CONFIG_A = 1, RETIRED_CONFIG_B = 5;
 constexpr int FIRST_WGMMA_CONFIG = 6;
 
 struct ConfigInfo {
     int mb, mt, warps_n, warps_k;
-    int shared_a_ctas; // shared-A and wgmma configs: CTAs per SM; 0 for configs 0-1
+    int shared_a_ctas; // shared-A and wgmma configs: CTAs per SM; 0 for the per-warp config 0
     int tile_m() const { return 8 * mb; }
     int tile_n() const { return UNIT_ROWS * mt * warps_n; }
     // = KbitGemmConfig::CTAS_PER_SM / KbitSharedAConfig::SHARED_A_CTAS_PER_SM
@@ -108,7 +107,6 @@ template <cudaDeviceAttr ATTR> static int cached_device_attribute() {
     return s_value[dev];
 }
 static int device_smem_optin() { return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
-static int device_l2_bytes() { return cached_device_attribute<cudaDevAttrL2CacheSize>(); }
 
 
 // the wgmma configs run when the library holds sm_90a code (CMake defines KBIT_WGMMA_BUILT when the
@@ -135,94 +133,32 @@ static bool wgmma_available() {
 #endif
 }
 static bool config_available(int id) {
-    if (id < 0 || id >= NUM_CONFIGS) return false;
+    if (id < 0 || id >= NUM_CONFIGS || id == RETIRED_CONFIG_A || id == RETIRED_CONFIG_B) return false;
     if (id == FIRST_WGMMA_CONFIG || id == WS_CONFIG) return wgmma_available();
-    if (id == WIDE_CONFIG || id == SIXTEEN_WARP_CONFIG || id == FOURTEEN_WARP_CONFIG)
+    if (id == SIXTEEN_WARP_CONFIG || id == FOURTEEN_WARP_CONFIG)
         return device_smem_optin() >= 226 * 1024;
     return true;
 }
 // ---------------------------------------------------------------------------------------------
 // Dispatch: the ONE place that maps a problem to a kernel config and a split count.
 // ---------------------------------------------------------------------------------------------
-// The numbers below were each chosen by forcing the candidate configs on the shapes at the rule's edge (the design
-// doc's dispatcher section). Work is counted in CTA tiles x k-steps against the SM count.
-// A shared-A config (and the wide tile over the 32-token one) needs at least this much work per SM, so that split-K
-// keeps its 256-row CTAs busy.
-constexpr int SHARED_A_MIN_STEPS_PER_SM = 6;
-// At M <= 16 the per-warp configs 0-1 (64-row CTAs, 4x the CTAs) take over below 1.5 x SMs of shared-A work...
-constexpr int PER_WARP_MAX_STEPS_PER_2_SMS = 3;
-// ...and at M = 9..16 below 0.75 x SMs (k = 5: 1.5 x SMs). Above that, weights of at most ONE_TILE_MID_M_MAX_WEIGHT
-// elements take one token tile per CTA, two tiles on the grid, the second tile reading the weight from L2. Larger
-// weights keep two tiles per CTA.
-constexpr int PER_WARP_MID_M_MAX_STEPS_PER_4_SMS = 3;
-constexpr long long ONE_TILE_MID_M_MAX_WEIGHT = 1LL << 23;
-// With few wide tiles the wgmma config takes M > 32 (below, the 32-token config 4).
-constexpr int WGMMA_SMALL_WORK_MIN_M = 32;
-// Small weights (fewer than 32 x SMs units) stay in L2, so re-reading them per 16 tokens costs little and config 3's
-// 8x more CTAs win up to M = 128 (k = 5: 64).
-constexpr int SMALL_WEIGHT_MAX_UNITS_PER_SM = 32;
-constexpr int SMALL_WEIGHT_MB2_MAX_M = 128;
-constexpr int SMALL_WEIGHT_MB2_MAX_M_K5 = 64;
-// 17..32 tokens (config 4's range, 256 x 32 tiles with the weights in a shared-memory ring). A weight that fits in
-// half the L2 is read by the second 16-token tile from there, so config 3 (register weights) wins; on larger weights
-// the wgmma config wins at k = 3, and at k = 4 on weights of MID_M_WGMMA_K4_MIN_WEIGHT elements or more. Two more
-// rules at 17..32 tokens:
-constexpr int MID_M_MAX = 32;
-constexpr long long MID_M_WGMMA_K4_MIN_WEIGHT = 1LL << 27;
-// (1) Config 11 (two 16-token tiles of 128 rows on the grid, one 16-warp CTA per SM) where its CTAs fill 90-100% of
-// the SMs in one wave and each warp along k runs 4-8 k-steps: that is less split-K than config 3's.
-constexpr int MID_M_SIXTEEN_WARP_MIN_FILL_PCT = 90;
-constexpr int MID_M_SIXTEEN_WARP_MAX_CHUNK = 8;
-// (2) The wgmma config where config 3 or 4 fills less than 90% of its CTA slots and config 6 fills at least as large a
-// share of its own, on weights of 2^24 elements or more (below, e.g. 2048 x 2048, config 3 stays faster).
-constexpr int MID_M_MIN_FILL_PCT = 90;
-constexpr long long MID_M_FILL_RULE_MIN_WEIGHT = 1LL << 24;
-// configs 0 (one token tile, A in the ring) up to here, then 1 (two tiles)
-constexpr int PER_WARP_SMALL_M_MAX = 8;
-// Small weights at M = 5..16: M = 5..8 above PER_WARP_RING_A_MAX_N rows take the shared-A plan, not config 1 (its
-// second token tile is empty; below, each 64-row CTA of config 0 copies its own A, so its A traffic grows with N);
-// k = 5 with a short K keeps config 1 (SHORT_K_ONE_SPLIT_MID_M_MIN_N). M = 9..16 on weights of at most
-// PER_WARP_RING_A_MID_M_MAX_N rows and PER_WARP_RING_A_MID_M_MAX_WEIGHT elements: config 0, one token tile per CTA,
-// two on the grid.
-constexpr int PER_WARP_RING_A_MAX_N = 2048;
-constexpr int PER_WARP_RING_A_MID_M_MAX_N = 1024;
-constexpr long long PER_WARP_RING_A_MID_M_MAX_WEIGHT = 1LL << 21;
-// Short K (8..15 k-steps): config 8 needs no split-K there, at M <= 16 from this many rows...
-constexpr int SHORT_K_ONE_SPLIT_MIN_N = 4096;
-// ...and from here at M = 5..16 for k <= 4
-constexpr int SHORT_K_ONE_SPLIT_MID_M_MIN_N = 2048;
-constexpr int PER_WARP_MAX_M = 16;       // above: shared-A even for small weights (never slower)
-constexpr int SPLIT_K_MAX_M = 256;               // split-K up to 256 tokens: at M = 128 on H200 without it the wide
-                                                 // config had 64 CTAs for 132 SMs (N = 8192: 0.33x cuBLAS)
-constexpr int MIN_STEPS_PER_WARP = 1;            // a warp streams at least 1 k-step of 128: with 2, N=1024 K=4096
+// A config's k splits follow from the hardware and the problem: as many as fill one wave of its CTA slots
+// (choose_splits; config 7: ws_splits). Which config runs is a cost model. For every config this device runs, and for
+// the staged path (dequantize + cuBLAS, backends/cuda/ops.py), the predicted time is a linear function of a few
+// features of the problem under that config's tiling (cost_features: CTA waves, the busiest SM's warp k-steps,
+// weight bytes, split-K partial bytes, padded MMA work); the least predicted time wins. The coefficients, per config
+// and k, are fitted to measurements by benchmarking/calibrate_dispatch.py (every config forced on model shapes x M x
+// k, non-negative least squares on relative error) and live in kbit_dispatch_coef.inc; a config without
+// coefficients is never picked. The sweep bounds where the model is trusted: the per-warp config 0 up to
+// COST_PER_WARP_MAX_M tokens, the other register/shared-A configs up to SPLIT_K_MAX_M, configs 6, 7 and staged at
+// any M.
+constexpr int SPLIT_K_MAX_M = 256;    // split-K up to 256 tokens (above, the shared-A configs are not candidates)
+constexpr int MIN_STEPS_PER_WARP = 1; // a warp streams at least 1 k-step of 128
 // The register-weight configs (2, 3; mb <= 2) fill a 2-3 k-step ring before their first MMA: give each CTA at least 4
 // k-steps.
 constexpr int MIN_STEPS_PER_REG_WEIGHT_CTA = 4;
 constexpr int MAX_SPLITS = 16;
-// Configs 2 and 3 with two warps along k (configs 8, 9: 128-row CTA tiles, each warp a contiguous half of the CTA's
-// k-steps, summed in shared memory) where split-K weighs most: their plan has >= 8 splits of < 8 k-steps each. Four or
-// eight warps along k were slower everywhere. k = 5 took them only for splits of 4 k-steps or fewer: with splits of 7
-// the second warp along k lost at M = 8 and 16 (even at M = 1). These are the rules above 16 tokens (config 3 for
-// small weights) and, at k = 5, at M = 9..16; the sweep below replaced them at M <= 8 and, for k <= 4, at M = 9..16.
-constexpr int WARPS_K_MIN_SPLITS = 8, WARPS_K_MAX_SPLIT_STEPS = 7, WARPS_K_MAX_SPLIT_STEPS_K5 = 4;
-// A sweep of 22 LLM shapes widened two cases: one token tile at M <= WARPS_K_ANY_STEPS_MAX_M takes config 8 once
-// config 2 (or 10) plans >= 8 splits, of any length and at any k; two token tiles (M = 9..16) at k <= 4 take config 9
-// from WARPS_K_MB2_MIN_SPLITS splits of up to WARPS_K_MB2_MAX_SPLIT_STEPS k-steps.
-constexpr int WARPS_K_ANY_STEPS_MAX_M = 8;
-// One token with its A slot read by one LDS.128 per warp and k-step (block columns, k <= 4; kbit_gemm.cuh section 3):
-// config 8 also where config 2 or 10 plans fewer than 8 splits, as long as its CTAs (half the splits of 128-row tiles)
-// fill at least ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT (k = 2; _K34 at k = 3, 4) of the share of SM slots that the other
-// plan fills. Its halved split-K tail weighs most against k = 2's short loop.
-constexpr int ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT = 80, ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34 = 90;
-// One token, k = 3, 4: config 12 (32-row tiles, all 8 warps along k) where it plans 1 or 2 splits (2: pushed through
-// 2-CTA clusters on sm_90, kbit_gemm.cuh push_split_k) in one wave that loads the SMs evenly (the busiest SM's CTAs at
-// most 1.4x the average) and each warp's chunk is at most 7 k-steps.
-constexpr int ONE_TOKEN_DEEP_CONFIG = 12;
-constexpr int ONE_TOKEN_DEEP_MAX_IMBALANCE_PCT = 140, ONE_TOKEN_DEEP_MAX_CHUNK = 7;
 static int split_k_push_max_splits();
-// ...where config 9 keeps 90% of config 3's CTAs: its warps along k need 8 k-steps per split, so 3584 x 3584 gets 3
-// splits (84 CTAs) where config 3 runs 7 (98), and config 3 is faster there.
-constexpr int WARPS_K_MB2_MIN_SPLITS = 4, WARPS_K_MB2_MAX_SPLIT_STEPS = 10, WARPS_K_MB2_MIN_CTAS_PCT = 90;
 constexpr size_t MAX_WORKSPACE_BYTES = 32u << 20; // worst case any dispatch asks for (M <= 256: 2 splits of 256 x 8192 fp32)
 // The tile counters sit in a fixed region at the start of the workspace, the partial sums after it.
 // (A counter region sized per call let one call's partial sums land where a later call with more
@@ -262,13 +198,7 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
     return splits < 1 ? 1 : splits;
 }
 
-// Config 7 (warp-specialised, 128 rows x 256 tokens) from WS_MIN_M tokens up to WS_MAX_M, when its CTAs (tiles x
-// ws_splits) fill at least 3/4 of the SMs. Before it had split-K (the numbers below), only its tiles counted.
-constexpr int WS_MIN_M = 129;
-constexpr int WS_MAX_M = 4096;
-constexpr int WS_MAX_M_SMALL_WEIGHT = 1024;
-constexpr long long WS_LARGE_WEIGHT = 1LL << 25; // 4096 x 8192 and up, not 4096 x 4096
-// Config 7 tiles of a launch
+// Config 7 (warp-specialised, 128 rows x 256 tokens) tiles of a launch
 static long long ws_tiles(int M, int N) { return (long long)ceil_div(N, 128) * ceil_div(M, 256); }
 // Config 7 split along k where its tiles leave SMs idle: as many splits as fit one CTA per SM, each of at least
 // WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (128 KB of
@@ -304,196 +234,78 @@ static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_c
     const size_t partial = ws_partial_bytes(M, N, K_dim, k_splits, sm_count);
     return partial == 0 ? 0 : COUNTER_REGION_BYTES + partial;
 }
-// Above WS_MAX_M_SMALL_WEIGHT tokens a smaller weight keeps config 7 where its CTAs fill at least 9/10 of every wave,
-// the last one included, k <= 4 and no k splits (ws_config_fits; what was measured): there the staged path pays its
-// dequantize for no better waves.
-static bool ws_small_weight_full_waves(long long ctas, int k_bits, int sm_count) {
-    const long long sms = sm_count > 0 ? sm_count : 1, last_wave = ctas % sms;
-    return k_bits <= 4 && 10 * ctas >= 9 * sms && (last_wave == 0 || 10 * last_wave >= 9 * sms);
-}
-static bool ws_config_fits(int M, int N, int K_dim, int k_bits, int sm_count) {
-    if (M < WS_MIN_M || M > WS_MAX_M || !wgmma_available()) return false;
-    const int splits = ws_splits(M, N, K_dim, sm_count);
-    const long long ctas = ws_tiles(M, N) * splits;
-    if (M > WS_MAX_M_SMALL_WEIGHT && (long long)N * K_dim < WS_LARGE_WEIGHT) // measured without k splits only
-        return splits == 1 && ws_small_weight_full_waves(ctas, k_bits, sm_count);
-    return 4 * ctas >= 3LL * (sm_count > 0 ? sm_count : 1);
-}
-// The staged path (dequantize + cuBLAS, backends/cuda/ops.py) above 256 tokens, unless config 7 takes the call
-constexpr int FUSED_MAX_M = 256;
-static bool staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {
-    return M > FUSED_MAX_M && !ws_config_fits(M, N, K_dim, k_bits, sm_count);
+// Features of the problem under `config` (-1: the staged path), the cost model's inputs; returns how many it wrote.
+constexpr int COST_FEATURES = 6;
+constexpr int COST_PER_WARP_MAX_M = 64;
+static int cost_features(int config, int M, int N, int K_dim, int k_bits, int sm_count, float* out) {
+    const double sms = sm_count > 0 ? sm_count : 1;
+    if (config < 0) { // staged: dequantize the weight, one cuBLAS product
+        out[0] = 1.f;
+        out[1] = (float)((double)N * K_dim / 1e6);
+        out[2] = (float)((double)M * N * K_dim / 1e9);
+        out[3] = (float)((double)ceil_div(M, 128) * ceil_div(N, 128) / sms);
+        out[4] = out[5] = 0.f;
+        return COST_FEATURES;
+    }
+    const ConfigInfo c = config_info(config);
+    const int splits = config == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count) : choose_splits(c, M, N, K_dim, sm_count);
+    const long long k_steps = ceil_div(K_dim, UNIT_K);
+    const long long m_tiles = ceil_div(M, c.tile_m());
+    const long long ctas = (long long)ceil_div(N, c.tile_n()) * m_tiles * splits;
+    const long long per_sm = (ctas + (long long)sms - 1) / (long long)sms;
+    const long long slots = (long long)c.ctas_per_sm() * (long long)sms;
+    const long long warp_steps = ceil_div(ceil_div(k_steps, splits), c.warps_k);
+    out[0] = 1.f;
+    // the busiest SM's warp k-steps per CTA slot, in token-tile units
+    out[1] = (float)((double)per_sm * warp_steps * c.warps_n * c.warps_k / c.ctas_per_sm() * c.mb);
+    out[2] = (float)((double)N * K_dim * (4 * k_bits + 1) / 32 / 1e6);                       // weight MB
+    out[3] = splits > 1 ? (float)((double)ctas * c.tile_m() * c.tile_n() * 4 / 1e6) : 0.f;  // split-K partial MB
+    out[4] = (float)((ctas + slots - 1) / slots);                                             // CTA waves
+    out[5] = (float)((double)m_tiles * c.tile_m() * N * K_dim / 1e9);                         // padded MMA work
+    return COST_FEATURES;
 }
 
-// Config 2 with 7 warps (config 10: 224-row tiles) where that takes work off the busiest SM. Split-K gives every tile
-// the same whole number of splits in one wave, so 14336 x 4096 runs 56 tiles x 4 = 224 CTAs on 264 slots, and its
-// busiest SMs stream 2 CTAs x 8 warps x 8 k-steps; as 64 tiles of 224 rows x 4 splits (256 CTAs) they stream 2 x 7 x
-// 8. The load of the busiest SM: CTAs per SM (breadth-first placement) x warps x k-steps.
-constexpr int SEVEN_WARP_CONFIG = 10;
-// Config 3 as one 16-warp CTA per SM (config 11: 128-row tiles, 4 warps along n x 4 along k, the k warps summed in
-// shared memory) where its tiles need no split-K and fill at least the share of the SMs that config 3's CTAs fill of
-// its slots: 14336 x 4096 at M = 16 runs 112 CTAs of 32 k-steps instead of 56 tiles x 4 splits of 8 (224 CTAs on 264
-// slots: the same 85%) and pays no workspace round trip.
-constexpr int SIXTEEN_WARP_MIN_STEPS_PER_WARP = 4;
-// Config 11 also where config 3 would cut K into >= 12 splits and config 11's CTAs (4x fewer splits) fill 70% of the
-// SMs: at k = 5, where config 9 is slow, and at any k where its warps' chunks are 4 k-steps or shorter.
-constexpr int SIXTEEN_WARP_MANY_SPLITS = 12, SIXTEEN_WARP_MIN_FILL_PCT = 70, SIXTEEN_WARP_SHORT_CHUNK = 4;
-// And config 11 as 2 splits pushed through 2-CTA clusters (push_split_k) where those CTAs fill 90% of the SMs in one
-// wave with chunks of 4-8 k-steps per warp along k: 8192 x 8192 at M = 16 runs 64 tiles x 2 splits (128 CTAs) instead
-// of config 9's 4 splits through the workspace (or config 3's 8 at k = 5).
-constexpr int SIXTEEN_WARP_PUSH_MIN_FILL_PCT = 90, SIXTEEN_WARP_PUSH_MAX_CHUNK = 8;
-// Config 13 (224-row tiles, 7 warps along n x 2 along k, one CTA per SM) instead of config 11 at M = 9..16 where its
-// plan (one split, or two pushed through 2-CTA clusters) puts CTAs on more SMs than config 11's and on at least
-// FOURTEEN_WARP_MIN_FILL_PCT of them: a call is as long as one CTA, so less work on each of more SMs (14336 x 4096:
-// 112 CTAs of 128 rows -> 128 of 224 rows x half of K).
-constexpr int FOURTEEN_WARP_MIN_FILL_PCT = 95;
-static long long sm_load(int config, int M, int N, int K_dim, int sm_count) {
-    const ConfigInfo c = config_info(config);
-    const int splits = choose_splits(c, M, N, K_dim, sm_count);
-    const long long ctas = (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m()) * splits;
-    const long long per_sm = ceil_div(ctas, sm_count > 0 ? sm_count : 1);
-    return per_sm * c.warps_n * c.warps_k * ceil_div(ceil_div(K_dim, UNIT_K), splits);
-}
+#include "kbit_dispatch_coef.inc" // COST_COEF[NUM_CONFIGS][4][COST_FEATURES], STAGED_COEF[4][COST_FEATURES]
 
-// Share of a config's CTA slots (CTAs per SM x SMs) that its CTAs fill, in percent of its last wave
-static long long slot_fill_pct(int config, int M, int N, int K_dim, int sm_count) {
-    const ConfigInfo c = config_info(config);
-    const long long ctas = (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m()) *
-                           choose_splits(c, M, N, K_dim, sm_count);
-    const long long slots = (long long)c.ctas_per_sm() * (sm_count > 0 ? sm_count : 1);
-    return 100 * ctas / (ceil_div(ctas, slots) * slots);
+static bool cost_calibrated(const float (&coef)[COST_FEATURES]) {
+    for (float v : coef)
+        if (v != 0.f) return true;
+    return false;
+}
+// predicted microseconds of `config` (-1: staged); infinity where the model has no coefficients or is not trusted
+static float predicted_us(int config, int M, int N, int K_dim, int k_bits, int sm_count) {
+    const float(&coef)[COST_FEATURES] = config < 0 ? STAGED_COEF[k_bits - 2] : COST_COEF[config][k_bits - 2];
+    if (!cost_calibrated(coef)) return INFINITY;
+    if (config >= 0 && config != FIRST_WGMMA_CONFIG && config != WS_CONFIG &&
+        M > (config_info(config).shared_a_ctas == 0 ? COST_PER_WARP_MAX_M : SPLIT_K_MAX_M))
+        return INFINITY;
+    float f[COST_FEATURES];
+    cost_features(config, M, N, K_dim, k_bits, sm_count, f);
+    float t = 0.f;
+    for (int i = 0; i < COST_FEATURES; i++) t += coef[i] * f[i];
+    return t;
 }
 
 static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count) {
-    const long long sms = sm_count > 0 ? sm_count : 1;
-    if (ws_config_fits(M, N, K_dim, k_bits, sm_count)) return Dispatch{WS_CONFIG, ws_splits(M, N, K_dim, sm_count)};
-    const auto tiles = [&](int config) {
-        const ConfigInfo c = config_info(config);
-        return (long long)ceil_div(N, c.tile_n()) * ceil_div(M, c.tile_m());
-    };
-    const long long k_steps = ceil_div(K_dim, UNIT_K);
-    const auto enough_work = [&](int config) { return tiles(config) * k_steps >= SHARED_A_MIN_STEPS_PER_SM * sms; };
-    int config = FIRST_SHARED_A_CONFIG + (M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3);
-    if (config == WIDE_CONFIG && wgmma_available() && (enough_work(config) || M > WGMMA_SMALL_WORK_MIN_M))
-        config = FIRST_WGMMA_CONFIG; // the wide tile with wgmma (kbit_gemm_wgmma.cuh), every k
-    if (config == WIDE_CONFIG && (device_smem_optin() < 226 * 1024 || !enough_work(config)))
-        config = WIDE_CONFIG - 1; // 32-token tiles: twice the CTAs, 112 KB
-    if (M <= PER_WARP_MAX_M &&
-        (M <= 8 || k_bits == 5 ? 2 * tiles(config) * k_steps < PER_WARP_MAX_STEPS_PER_2_SMS * sms
-                               : 4 * tiles(config) * k_steps < PER_WARP_MID_M_MAX_STEPS_PER_4_SMS * sms))
-    {
-        if (M <= 4 || (M <= PER_WARP_SMALL_M_MAX && N <= PER_WARP_RING_A_MAX_N) ||
-            (M > PER_WARP_SMALL_M_MAX && N <= PER_WARP_RING_A_MID_M_MAX_N &&
-             (long long)N * K_dim <= PER_WARP_RING_A_MID_M_MAX_WEIGHT))
-            config = 0;
-        else if (M > PER_WARP_SMALL_M_MAX || (k_bits == 5 && k_steps < 2 * 2 * MIN_STEPS_PER_REG_WEIGHT_CTA))
-            config = 1;
-        // else M = 5..8 on more than PER_WARP_RING_A_MAX_N rows: the shared-A plan (config 2, 8 or 10 below)
-    } else if (M > 8 && M <= PER_WARP_MAX_M && (long long)N * K_dim <= ONE_TILE_MID_M_MAX_WEIGHT)
-        config = FIRST_SHARED_A_CONFIG; // one token tile per CTA, two on the grid
-    // short K: config 8's two warps along k (>= 4 k-steps each) cannot be split further
-    if (M <= PER_WARP_MAX_M &&
-        (N >= SHORT_K_ONE_SPLIT_MIN_N || (M > 4 && k_bits <= 4 && N > SHORT_K_ONE_SPLIT_MID_M_MIN_N)) &&
-        k_steps >= 2 * MIN_STEPS_PER_REG_WEIGHT_CTA &&
-        k_steps < 2 * 2 * MIN_STEPS_PER_REG_WEIGHT_CTA)
-        return Dispatch{FIRST_SHARED_A_CONFIG + WARPS_K_CONFIG_OFFSET, 1};
-    const long long units = (long long)ceil_div(N, UNIT_ROWS) * k_steps;
-    if (M > PER_WARP_MAX_M && M <= (k_bits == 5 ? SMALL_WEIGHT_MB2_MAX_M_K5 : SMALL_WEIGHT_MB2_MAX_M) &&
-        units < SMALL_WEIGHT_MAX_UNITS_PER_SM * sms)
-        config = FIRST_SHARED_A_CONFIG + 1; // 16-token tiles
-    bool mid_m_l2 = false; // config 3 for 17..32 tokens from L2 (measured without the warps along k below)
-    if (config == FIRST_SHARED_A_CONFIG + 2 && M <= MID_M_MAX) { // config 4 (17..32 tokens): the rule above the constants
-        const long long weight_bytes = (long long)N * K_dim * (4 * k_bits + 1) / 32; // N K (k / 8 + 1 / 32)
-        if (2 * weight_bytes <= device_l2_bytes())
-            config = FIRST_SHARED_A_CONFIG + 1, mid_m_l2 = true; // 16-token tiles: the second reads the weight from L2
-        else if (wgmma_available() &&
-                 (k_bits == 3 || (k_bits == 4 && (long long)N * K_dim >= MID_M_WGMMA_K4_MIN_WEIGHT)))
-            config = FIRST_WGMMA_CONFIG;
-        // config 11 where its CTAs fill 90-100% of the SMs in one wave with short k chunks (the rule's constants)
-        if (config_available(SIXTEEN_WARP_CONFIG)) {
-            const int splits11 = choose_splits(config_info(SIXTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
-            const long long ctas11 = tiles(SIXTEEN_WARP_CONFIG) * splits11;
-            const long long chunk = ceil_div(ceil_div(k_steps, splits11), 4); // k-steps per warp along k
-            if (ctas11 <= sms && 100 * ctas11 >= MID_M_SIXTEEN_WARP_MIN_FILL_PCT * sms &&
-                chunk >= SIXTEEN_WARP_MIN_STEPS_PER_WARP && chunk <= MID_M_SIXTEEN_WARP_MAX_CHUNK)
-                return Dispatch{SIXTEEN_WARP_CONFIG, splits11};
-        }
-        // the wgmma config where configs 3 / 4 fill under 90% of their slots and it fills as many of its own
-        if (config != FIRST_WGMMA_CONFIG && wgmma_available() && (long long)N * K_dim >= MID_M_FILL_RULE_MIN_WEIGHT &&
-            slot_fill_pct(config, M, N, K_dim, sm_count) < MID_M_MIN_FILL_PCT &&
-            slot_fill_pct(FIRST_WGMMA_CONFIG, M, N, K_dim, sm_count) >= slot_fill_pct(config, M, N, K_dim, sm_count))
-            config = FIRST_WGMMA_CONFIG, mid_m_l2 = false;
+    int best = -1;
+    float best_us = INFINITY;
+    for (int c = 0; c < NUM_CONFIGS; c++) {
+        if (!config_available(c)) continue;
+        const float t = predicted_us(c, M, N, K_dim, k_bits, sm_count);
+        if (t < best_us) best_us = t, best = c;
     }
-    // config 11 (128-row tiles, one 16-warp CTA per SM) for config 3's work planned as `splits3` splits
-    const auto sixteen_warps_win = [&](int splits3) {
-        if (!config_available(SIXTEEN_WARP_CONFIG)) return false;
-        const long long t = tiles(SIXTEEN_WARP_CONFIG), ctas3 = tiles(FIRST_SHARED_A_CONFIG + 1) * splits3;
-        // all resident without split-K, filling as large a share of the SMs as config 3's CTAs fill of its slots
-        if (t <= sms && 2 * t >= ctas3 && 100 * t >= SIXTEEN_WARP_MIN_FILL_PCT * sms &&
-            k_steps >= SIXTEEN_WARP_MIN_STEPS_PER_WARP * 4)
-            return true;
-        // or a quarter of config 3's many splits (SIXTEEN_WARP_MANY_SPLITS), or at k = 5 of the short ones that would
-        // take config 9 at k <= 4
-        const bool short_k5 = k_bits == 5 && splits3 >= WARPS_K_MIN_SPLITS &&
-                              ceil_div(k_steps, splits3) <= WARPS_K_MAX_SPLIT_STEPS_K5;
-        if (M > PER_WARP_MAX_M) return false;
-        const int splits11 = choose_splits(config_info(SIXTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
-        const long long chunk = ceil_div(ceil_div(k_steps, splits11), 4); // k-steps per warp along k
-        if (splits11 == 2 && split_k_push_max_splits() >= 2 && 2 * t <= sms &&
-            100 * 2 * t >= SIXTEEN_WARP_PUSH_MIN_FILL_PCT * sms && chunk >= SIXTEEN_WARP_MIN_STEPS_PER_WARP &&
-            chunk <= SIXTEEN_WARP_PUSH_MAX_CHUNK)
-            return true;
-        if (splits3 < SIXTEEN_WARP_MANY_SPLITS && !short_k5) return false;
-        return 100 * t * splits11 >= SIXTEEN_WARP_MIN_FILL_PCT * sms &&
-               (k_bits == 5 || chunk <= SIXTEEN_WARP_SHORT_CHUNK);
-    };
-    if (config == FIRST_SHARED_A_CONFIG || config == FIRST_SHARED_A_CONFIG + 1) {
-        const int splits = choose_splits(config_info(config), M, N, K_dim, sm_count);
-        const long long split_steps = ceil_div(k_steps, splits);
-        bool warps_k; // two warps along k (configs 8, 9): half the splits
-        if (config == FIRST_SHARED_A_CONFIG && M <= WARPS_K_ANY_STEPS_MAX_M)
-            warps_k = splits >= WARPS_K_MIN_SPLITS;
-        else if (config == FIRST_SHARED_A_CONFIG + 1 && M <= PER_WARP_MAX_M && k_bits != 5)
-            warps_k = splits >= WARPS_K_MB2_MIN_SPLITS && split_steps <= WARPS_K_MB2_MAX_SPLIT_STEPS &&
-                      100 * tiles(config + WARPS_K_CONFIG_OFFSET) *
-                              choose_splits(config_info(config + WARPS_K_CONFIG_OFFSET), M, N, K_dim, sm_count) >=
-                          WARPS_K_MB2_MIN_CTAS_PCT * tiles(config) * splits;
-        else
-            warps_k = splits >= WARPS_K_MIN_SPLITS &&
-                      split_steps <= (k_bits == 5 ? WARPS_K_MAX_SPLIT_STEPS_K5 : WARPS_K_MAX_SPLIT_STEPS);
-        if (config == FIRST_SHARED_A_CONFIG + 1 && !mid_m_l2 && sixteen_warps_win(splits)) {
-            config = SIXTEEN_WARP_CONFIG; // the k chunks summed in shared memory instead of (most of the) split-K
-            if (FOURTEEN_WARP_MIN_FILL_PCT > 0 && M > 8 && M <= PER_WARP_MAX_M &&
-                config_available(FOURTEEN_WARP_CONFIG)) {
-                const int splits13 = choose_splits(config_info(FOURTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
-                const long long ctas13 = tiles(FOURTEEN_WARP_CONFIG) * splits13,
-                                ctas11 = tiles(SIXTEEN_WARP_CONFIG) *
-                                         choose_splits(config_info(SIXTEEN_WARP_CONFIG), M, N, K_dim, sm_count);
-                if ((splits13 == 1 || (splits13 == 2 && split_k_push_max_splits() >= 2)) && ctas13 <= sms &&
-                    ctas13 > ctas11 && 100 * ctas13 >= FOURTEEN_WARP_MIN_FILL_PCT * sms)
-                    return Dispatch{FOURTEEN_WARP_CONFIG, splits13};
-            }
-        } else if (!mid_m_l2 && warps_k)
-            config += WARPS_K_CONFIG_OFFSET;
-        else if (config == FIRST_SHARED_A_CONFIG &&
-                 sm_load(SEVEN_WARP_CONFIG, M, N, K_dim, sm_count) < sm_load(config, M, N, K_dim, sm_count))
-            config = SEVEN_WARP_CONFIG; // 224-row tiles: less work on the busiest SM
-        const int warps_k_one_token = FIRST_SHARED_A_CONFIG + WARPS_K_CONFIG_OFFSET;
-        if (M == 1 && k_bits <= 4 && (config == FIRST_SHARED_A_CONFIG || config == SEVEN_WARP_CONFIG) &&
-            100 * slot_fill_pct(warps_k_one_token, M, N, K_dim, sm_count) >=
-                (k_bits == 2 ? ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT : ONE_TOKEN_WARPS_K_MIN_FILL_RATIO_PCT_K34) *
-                    slot_fill_pct(config, M, N, K_dim, sm_count))
-            config = warps_k_one_token; // one token: half the splits (block columns, k <= 4)
-        if (M == 1 && (k_bits == 3 || k_bits == 4) && split_k_push_max_splits() >= 2) {
-            const int splits12 = choose_splits(config_info(ONE_TOKEN_DEEP_CONFIG), M, N, K_dim, sm_count);
-            const long long chunk = ceil_div(ceil_div(k_steps, splits12), 8); // k-steps per warp
-            const long long ctas12 = tiles(ONE_TOKEN_DEEP_CONFIG) * splits12;
-            if (splits12 <= 2 && ctas12 <= 2 * sms && 100 * ceil_div(ctas12, sms) * sms <= ONE_TOKEN_DEEP_MAX_IMBALANCE_PCT * ctas12 &&
-                chunk <= ONE_TOKEN_DEEP_MAX_CHUNK)
-                return Dispatch{ONE_TOKEN_DEEP_CONFIG, splits12};
-        }
-    }
-    return Dispatch{config, choose_splits(config_info(config), M, N, K_dim, sm_count)};
+    if (best < 0) best = FIRST_SHARED_A_CONFIG + 1; // no calibrated config runs here (M > SPLIT_K_MAX_M without sm_90a)
+    const int splits = best == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count)
+                                         : choose_splits(config_info(best), M, N, K_dim, sm_count);
+    return Dispatch{best, splits};
+}
+
+// The staged path where its predicted time is below every fused config's
+static bool staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {
+    const float staged = predicted_us(-1, M, N, K_dim, k_bits, sm_count);
+    if (!(staged < INFINITY)) return false;
+    const Dispatch d = select_config(M, N, K_dim, k_bits, sm_count);
+    return staged < predicted_us(d.config, M, N, K_dim, k_bits, sm_count);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -555,7 +367,7 @@ static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], 
     return true;
 }
 
-// Programmatic dependent launch (PDL, sm_90): the per-warp and shared-A kernels (configs 0-5, 8-11) are launched
+// Programmatic dependent launch (PDL, sm_90): the per-warp and shared-A kernels (configs 0, 2-4, 8-13) are launched
 // with programmatic stream serialization. A kernel allows its dependents once its own loads are issued (after its
 // k-loop; the register-weight loop at its last k-step), so the next call's CTAs take the SM slots this call's CTAs
 // leave during its split-K arrivals, last reductions and grid completion, and start their prologue there;
@@ -809,8 +621,9 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
     }
     Dispatch d = select_config(M, N, K_dim, K_BITS, sm_count);
     if (config_override >= 0) {
-        if (config_override >= NUM_CONFIGS) {
-            set_error("ckbit_gemm", "config_override out of range (see ckbit_gemm_num_configs)");
+        if (!config_available(config_override)) {
+            set_error("ckbit_gemm", "config_override names a config this device or build does not run "
+                                    "(see ckbit_gemm_config_available)");
             return;
         }
         d.config = config_override;
@@ -818,7 +631,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
                                            : choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
-        d.config = WIDE_CONFIG;
+        d.config = FIRST_SHARED_A_CONFIG + 2; // 256 x 32 tiles, 64-bit offsets
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     if (d.config == WS_CONFIG) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
@@ -951,6 +764,13 @@ int ckbit_gemm_plan(int M, int N, int K_dim, int k_bits, int sm_count) {
 // 1 when the dispatcher wants the staged path (dequantize + cuBLAS) for this call on the current device
 int ckbit_gemm_staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {
     return kbit::staged_preferred(M, N, K_dim, k_bits, sm_count) ? 1 : 0;
+}
+
+// the cost model's features of this problem under `config` (-1: the staged path) into out[]; returns their count
+// (benchmarking/calibrate_dispatch.py fits the coefficients to them; no device is touched)
+int ckbit_gemm_cost_features(int config, int M, int N, int K_dim, int k_bits, int sm_count, float* out) {
+    if (config >= kbit::NUM_CONFIGS || k_bits < 2 || k_bits > 5) return 0;
+    return kbit::cost_features(config, M, N, K_dim, k_bits, sm_count, out);
 }
 
 int ckbit_gemm_config_available(int config) { return kbit::config_available(config) ? 1 : 0; }

@@ -15,9 +15,9 @@
 //      CTA  = WARPS_N x WARPS_K warps: along n different rows (same A), along k contiguous chunks of the CTA's
 //             k-steps, reduced in shared memory at the end
 //      grid = (n_ctas, k_splits, m_tiles); k_splits > 1 reduces across CTAs (section 5)
-//    Config families (tables in kbit_gemm.cu): the per-warp ring (kbit_gemm_kernel, configs 0-1: small weights at
-//    M <= 16); shared-A (kbit_gemm_shared_a_kernel, configs 2-5 and 8-13: the A tile of a k-step staged once per
-//    CTA, MB = 1, 2, 4, 8 token tiles, variants with warps along k or fewer/more warps along n); wgmma
+//    Config families (tables in kbit_gemm.cu): the per-warp ring (kbit_gemm_kernel, config 0: small weights at
+//    M <= 16); shared-A (kbit_gemm_shared_a_kernel, configs 2-4 and 8-13: the A tile of a k-step staged once per
+//    CTA, MB = 1, 2, 4 token tiles, variants with warps along k or fewer/more warps along n); wgmma
 //    (kbit_gemm_wgmma.cuh, config 6, sm_90a) and warp-specialised wgmma (kbit_gemm_wgmma_ws.cuh, config 7, sm_90a),
 //    each with its own design block. The dispatcher (kbit_gemm.cu, select_config) picks one per call.
 //
@@ -37,7 +37,7 @@
 //    E4M4 scales need no decode: (code << 6) is an fp16 equal to absmax / 16, (code << 3) a bf16 equal to
 //    absmax * 2^-116; the factor F = 16 (or 2^116) is folded into the table. fp16 absmax: F = 1.
 //
-// 4. Pipeline. Per-warp ring (configs 0-1): each lane cp.async-copies exactly the words and scales it will read
+// 4. Pipeline. Per-warp ring (config 0): each lane cp.async-copies exactly the words and scales it will read
 //    into its warp's private ring (2..6 stages), so cp.async.wait_group alone orders it; no CTA barrier in the loop.
 //    Shared-A configs: one A ring per CTA (rows padded by 16 bytes: conflict-free ldmatrix), one barrier per refill.
 //    MB = 4, 8 stage their weights in per-warp shared rings; MB = 1, 2 (W_REG_STAGES > 0) load them with
@@ -1289,7 +1289,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) kbit_gemm_
 // MB = 8 ("wide", TILE_M = 64, 226 KB: one CTA per SM, sm_90) serves M > 32; MB = 1, 2, 4 (TILE_M =
 // 8, 16, 32, 112 KB: two CTAs per SM) serve M <= 32 on all but small weights (and MB = 2 small
 // weights up to M = 128). Each dequantized fragment feeds MB MMAs. Split-K up to M = 256, through the
-// same workspace slots as configs 0-1. MB = 1, 2 keep their weights in registers instead of the smem
+// same workspace slots as config 0. MB = 1, 2 keep their weights in registers instead of the smem
 // ring (W_REG_STAGES, section 4).
 // ---------------------------------------------------------------------------------------------
 // k-steps of weights in flight in registers at MB = 1 (0: the smem ring): 2, but 3 for k = 2 with one warp along k

@@ -9,6 +9,7 @@ the output (one rounding: 2^-11 / 2^-8 relative); relative Frobenius error <= 2e
 
 import ctypes
 import itertools
+import math
 
 import pytest
 import torch
@@ -218,6 +219,35 @@ def test_cuda_gemm_every_config_and_sm_count(k):
         for sm_count in (1, 7, 132, 1000):
             for M, N, K_dim in ((1, 1000, 14336), (3, 576, 576), (40, 4096, 4096), (300, 1000, 1024)):
                 run_case(M, N, K_dim, k, torch.float16, config=config, sm_count=sm_count)
+
+
+@pytest.mark.cuda
+def test_cuda_gemm_cost_model():
+    """The dispatcher's cost model (csrc/kbit_gemm.cu, cost_features and kbit_dispatch_coef.inc): features are finite
+    and non-negative, waves whole; the model is calibrated for this build (different M get different configs, not
+    the uncalibrated fallback everywhere), and every plan names a config this device runs."""
+    import ctypes as ct
+
+    from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
+
+    fn = cuda_ops.get_lib().ckbit_gemm_cost_features
+    fn.argtypes = [ct.c_int] * 6 + [ct.POINTER(ct.c_float)]
+    fn.restype = ct.c_int
+    buf = (ct.c_float * 8)()
+    for config, (N, K_dim), M, k in itertools.product(
+        range(-1, cuda_ops.gemm_num_configs()), ((4096, 4096), (1000, 576), (28672, 8192)), (1, 17, 300, 5000), KS
+    ):
+        n = fn(config, M, N, K_dim, k, 132, buf)
+        assert n >= 4, (config, N, K_dim, M, k)
+        values = list(buf[:n])
+        assert all(math.isfinite(v) and v >= 0 for v in values), (config, N, K_dim, M, k, values)
+        if config >= 0:
+            assert values[4] == int(values[4]) and values[4] >= 1, (config, values)  # CTA waves
+    plans = {cuda_ops.gemm_plan(M, 4096, 4096, 4, sm_count=132)[0] for M in (1, 8, 16, 32, 64, 128, 256)}
+    assert len(plans) >= 3, f"one config for every M ({plans}): is kbit_dispatch_coef.inc calibrated?"
+    for M, (N, K_dim), k in itertools.product((1, 16, 63, 300, 5000), ((4096, 4096), (256, 512)), KS):
+        config, _ = cuda_ops.gemm_plan(M, N, K_dim, k, sm_count=132)
+        assert cuda_ops.gemm_config_available(config), (M, N, K_dim, k, config)
 
 
 @pytest.mark.cuda
@@ -492,29 +522,11 @@ def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
 @requires_hopper
 def test_cuda_gemm_warp_specialised_large_m_and_graph():
     """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one) in one
-    launch, k = 3 and 5, narrow and wide weights; and the dispatcher's large-M choice for a wide weight (config 7:
-    tensor map, kernel) at 3000 tokens, and at 512 captured in a CUDA graph with out= and replayed on new data."""
+    launch, k = 3 and 5, narrow and wide weights; the dispatcher's own choice (fused or staged) at 3000 tokens; and
+    config 7 at 512 tokens captured in a CUDA graph with out= and replayed on new data."""
     run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
     run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
     run_case(2400, 4200, 14336, 5, torch.float16, bias=True, config=7)
-    # the dispatcher's own choice at 3000 tokens on a weight of 2^25 elements or more (132 SMs): config 7, not staged
-    from bitsandbytes_kbit.backends.cuda.ops import _staged_preferred, get_lib
-
-    def staged(M, N, K_dim, k):
-        return _staged_preferred(get_lib(), torch.device("cuda"), M, N, K_dim, k, 132)
-
-    for (N, K_dim), k in itertools.product(((14336, 4096), (4096, 14336)), KS):
-        assert not staged(3000, N, K_dim, k), (N, K_dim, k)
-        assert not staged(2000, N, K_dim, k), (N, K_dim, k)
-        assert staged(4100, N, K_dim, k), (N, K_dim, k)  # above 4096
-    # a smaller weight above 1024 tokens: config 7 only where its tiles fill >= 9/10 of every wave, k <= 4
-    assert staged(1280, 4096, 4096, 4)  # 160 tiles: 1.21 waves
-    assert staged(4096, 4096, 4096, 4)  # 512 tiles: 3.88 waves
-    assert not staged(2048, 4096, 4096, 4)  # 256 tiles: 1.94 waves
-    assert not staged(4096, 1024, 4096, 3)  # 128 tiles: 0.97 waves
-    assert staged(4096, 1024, 4096, 5)
-    assert staged(3000, 1024, 4096, 4)  # 96 tiles
-    assert staged(2048, 1024, 14336, 4)  # 64 tiles x 2 k splits: not measured there, staged
     run_case(3000, 14336, 4096, 3, torch.float16, bias=True)
     run_case(3000, 4096, 14336, 2, torch.bfloat16)
     run_case(3000, 14336, 4096, 5, torch.float16)

@@ -316,14 +316,12 @@ def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.
     return out
 
 
-# The large-M path: above STAGED_MIN_M - 1 tokens the product is bound by the tensor cores. Where the
-# native dispatcher says so (ckbit_gemm_staged_preferred: everywhere but Hopper, where the warp-specialised
-# fused config 7 takes M = 257..1024, 4096 for weights of 2^25 elements or more (k = 5 with N <= 4096: 2048),
-# when its tiles fill the GPU, csrc/kbit_gemm.cu), the weight is dequantized in chunks to a cached scratch and cuBLAS multiplies (H200:
-# dev/sm90/staged.py, in git history up to commit 8797cd7, and benchmarking/bench_kbit_gemm.py). M <= 256
-# never takes it, so no fp16 copy of W is made there. The scratch holds at most STAGING_BYTES (one chunk),
-# per device and dtype, and is never allocated under CUDA-graph capture (the fused kernel runs instead).
-STAGED_MIN_M = 257
+# The staged path: the weight dequantized in chunks to a cached scratch, then cuBLAS. From STAGED_MIN_M tokens the
+# native dispatcher's cost model (ckbit_gemm_staged_preferred, csrc/kbit_gemm.cu) weighs it against the fused configs;
+# below, the fused kernel always runs, so no fp16 copy of W is made at decode sizes. The scratch holds at most
+# STAGING_BYTES (one chunk), per device and dtype, and is never allocated under CUDA-graph capture (the fused kernel
+# runs instead).
+STAGED_MIN_M = 64
 STAGING_BYTES = 64 << 20
 STAGING_ALIGN = 128  # chunk edges on whole cuBLAS tiles (and whole units: 16 rows, 128 k)
 STAGING_AXIS = None  # "n" or "k" forces the cut (dev/probe_staged.py); None: the rule in staging_chunks
@@ -391,9 +389,8 @@ def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> boo
 
 
 def _staged_preferred(lib, device, M, N, K_dim, k, sms) -> bool:
-    """The native dispatcher's choice between the staged path and the fused kernel above STAGED_MIN_M - 1
-    tokens: on Hopper the warp-specialised config 7 takes M up to 1024 (4096 for weights of 2^25 elements or
-    more; k = 5 with N <= 4096: 2048) when its tiles fill the GPU."""
+    """The native dispatcher's choice between the staged path and the fused kernel (its cost model's prediction
+    for each) from STAGED_MIN_M tokens."""
     lib.ckbit_gemm_staged_preferred.restype = ct.c_int
     lib.ckbit_gemm_staged_preferred.argtypes = [ct.c_int] * 5
     with torch.cuda.device(device):
@@ -420,8 +417,8 @@ def kbit_gemm_cuda(
 ) -> None:
     """C = A @ W^T (+ bias) into ``out`` ([..., N], A's dtype). Arguments are checked by the caller.
 
-    path: "auto" (the fused kernel up to STAGED_MIN_M - 1 tokens; above, staged unless the native dispatcher
-    takes the call with its warp-specialised Hopper config), "fused" or "staged".
+    path: "auto" (the fused kernel below STAGED_MIN_M tokens; from there, whichever the native dispatcher's cost
+    model predicts faster), "fused" or "staged".
     config forces one compiled configuration of the fused kernel (-1: its dispatcher picks) and
     sm_count overrides the SM count it plans with, so tests reach every config and split on any GPU.
 
