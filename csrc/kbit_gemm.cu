@@ -60,7 +60,7 @@ constexpr int SIXTEEN_WARP_CONFIG = 11;   // config 3 as 16 warps in a CTA per S
 constexpr int FOURTEEN_WARP_CONFIG = 13;  // config 11 as 224-row tiles: 14 warps in a CTA per SM
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
 // Ids 1 (per-warp, two token tiles) and 5 (shared-A, 256 x 64) are retired: no sweep cell found either faster than
-// every other candidate by 3% (benchmarking/calibrate_dispatch.py); the ids stay unused so the others keep theirs.
+// every other candidate by 3% in the dispatcher's calibration sweep; the ids stay unused so the others keep theirs.
 constexpr int RETIRED_CONFIG_A = 1, RETIRED_CONFIG_B = 5;
 constexpr int FIRST_WGMMA_CONFIG = 6;
 
@@ -147,8 +147,8 @@ static bool config_available(int id) {
 // the staged path (dequantize + cuBLAS, backends/cuda/ops.py), the predicted time is a linear function of a few
 // features of the problem under that config's tiling (cost_features: CTA waves, the busiest SM's warp k-steps,
 // weight bytes, split-K partial bytes, padded MMA work); the least predicted time wins. The coefficients, per config
-// and k, are fitted to measurements by benchmarking/calibrate_dispatch.py (every config forced on model shapes x M x
-// k, non-negative least squares on relative error) and live in kbit_dispatch_coef.inc; a config without
+// and k, are fitted to measurements by the calibration script calibrate_dispatch.py (every config forced on model
+// shapes x M x k, non-negative least squares on relative error) and live in kbit_dispatch_coef.inc; a config without
 // coefficients is never picked. The sweep bounds where the model is trusted: the per-warp config 0 up to
 // COST_PER_WARP_MAX_M tokens, the other register/shared-A configs up to SPLIT_K_MAX_M, configs 6, 7 and staged at
 // any M.
@@ -767,7 +767,7 @@ int ckbit_gemm_staged_preferred(int M, int N, int K_dim, int k_bits, int sm_coun
 }
 
 // the cost model's features of this problem under `config` (-1: the staged path) into out[]; returns their count
-// (benchmarking/calibrate_dispatch.py fits the coefficients to them; no device is touched)
+// (the calibration script fits the coefficients to them; no device is touched)
 int ckbit_gemm_cost_features(int config, int M, int N, int K_dim, int k_bits, int sm_count, float* out) {
     if (config >= kbit::NUM_CONFIGS || k_bits < 2 || k_bits > 5) return 0;
     return kbit::cost_features(config, M, N, K_dim, k_bits, sm_count, out);

@@ -102,6 +102,7 @@ def entry_point_names() -> list[str]:
         "ckbit_gemm_config_available",
         "ckbit_gemm_plan",
         "ckbit_gemm_staged_preferred",
+        "ckbit_gemm_cost_features",
         "ckbit_error_string",
         "ckbit_last_error",
     ]
