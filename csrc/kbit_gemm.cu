@@ -59,8 +59,8 @@ constexpr int NUM_CONFIGS = 14;
 constexpr int SIXTEEN_WARP_CONFIG = 11;   // config 3 as 16 warps in a CTA per SM
 constexpr int FOURTEEN_WARP_CONFIG = 13;  // config 11 as 224-row tiles: 14 warps in a CTA per SM
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
-// Ids 1 (per-warp, two token tiles) and 5 (shared-A, 256 x 64) are retired: no sweep cell found either faster than
-// every other candidate by 3% in the dispatcher's calibration sweep; the ids stay unused so the others keep theirs.
+// Ids 1 (per-warp, two token tiles) and 5 (shared-A, 256 x 64) are retired: in no cell of the dispatcher's calibration
+// sweep was either 3% faster than every other candidate. The ids stay unused so the others keep theirs.
 constexpr int RETIRED_CONFIG_A = 1, RETIRED_CONFIG_B = 5;
 constexpr int FIRST_WGMMA_CONFIG = 6;
 
