@@ -48,12 +48,12 @@ def _assign(blocks: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, 
     return idx, err
 
 
-def _candidates(amax: torch.Tensor, top: float, absmax_dtype: torch.dtype, k: int, refit: torch.Tensor = None):
+def _candidates(amax: torch.Tensor, top: torch.Tensor, absmax_dtype: torch.dtype, k: int, refit: torch.Tensor = None):
     """(stored [B, C], decoded float32 scales [B, C]) around amax / top (or around ``refit`` [B])."""
     target = amax / top if refit is None else refit
     if absmax_dtype == torch.uint8:
         table = e4m4_table(amax.device)
-        centre = encode_absmax_e4m4(target.clamp(max=float(table[-1]))).long()
+        centre = encode_absmax_e4m4(target.clamp(max=table[-1])).long()  # a tensor bound: no host sync
         lo, hi = (_E4M4_BELOW[k], _E4M4_ABOVE) if refit is None else (1, 1)
         codes = (centre.unsqueeze(1) + torch.arange(-lo, hi + 1, device=amax.device)).clamp(1, 255)
         codes = torch.where((amax > 0).unsqueeze(1), codes, torch.zeros_like(codes))
@@ -66,7 +66,7 @@ def _candidates(amax: torch.Tensor, top: float, absmax_dtype: torch.dtype, k: in
 def _best_blocks(blocks: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype, refit: bool, valid):
     """(indices [B, 32], stored scale [B], squared error [B]) with the least error per block."""
     amax = blocks.abs().amax(dim=1)
-    top = float(codebook.abs().max())
+    top = codebook.abs().max()  # a 0-d tensor on the codebook's device: no host sync
     stored, scales = _candidates(amax, top, absmax_dtype, k)
     idx, err = _assign(blocks, scales, codebook, valid)
     best = err.argmin(dim=1, keepdim=True)  # first on ties: the lowest candidate scale
