@@ -1,6 +1,6 @@
 """compute-sanitizer memcheck, racecheck, initcheck and synccheck over the k-bit CUDA kernels.
 
-    python benchmarking/sanitize_gpu.py                 # the four tools at once, one process each; ~3-5 min on an H200
+    python benchmarking/sanitize_gpu.py                 # the four tools at once, one process each (5 min at most)
     python benchmarking/sanitize_gpu.py --tools memcheck --limit 20
     python benchmarking/sanitize_gpu.py --cases         # the cases alone, without a sanitizer (what each tool runs)
 
@@ -42,30 +42,6 @@ def run_cases(limit: int | None) -> None:
     dev = "cuda"
     N, K_dim = 584, 1056
     configs = [-1] + [c for c in range(gemm_num_configs()) if gemm_config_available(c)]
-    cases = []
-    for k in (2, 3, 4, 5):
-        W = torch.randn(N, K_dim, generator=g) * 0.02
-        for dtype, absmax_format in ((torch.float16, "e4m4"), (torch.bfloat16, "fp16")):
-            packed, absmax, cb = F.quantize_kbit(W, k=k, absmax_format=absmax_format)  # CPU: no kernels
-            Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
-            weight = tuple(t.to(dev) for t in (Bp, Ba, cb))
-            for config in configs:
-                for M, sms in ((1, 1000), (17, 132), (300, 13)):
-                    cases.append(("gemm", k, dtype, config, M, sms, weight))
-    done = 0
-    total = len(cases) if limit is None else min(limit, len(cases))
-    t0 = time.time()
-    for i, (_, k, dtype, config, M, sms, (Bp, Ba, cb)) in enumerate(cases[:total]):
-        A = torch.randn(M, K_dim, generator=g).to(dev, dtype)
-        bias = torch.randn(N, generator=g).to(dev, dtype) if i % 2 else None
-        out = torch.empty(M, N, dtype=dtype, device=dev)
-        kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, bias, out, config=config, sm_count=sms, path="fused")
-        torch.cuda.synchronize()
-        done += 1
-        if done % 40 == 0:
-            print(f"cases: {done}/{total} GEMM calls, {time.time() - t0:.0f} s", flush=True)
-    print(f"cases: {done} GEMM calls (configs {configs}, k 2..5, fp16/bf16, M 1/17/300)", flush=True)
-
     # quantize / dequantize (the kernels of the absmax rule), repack, dequantize_tiled
     n = 3 * 1000 + 7
     x = torch.randn(n, generator=g)
@@ -94,6 +70,34 @@ def run_cases(limit: int | None) -> None:
                 _dequantize_tiled_block(Bp, Ba, cb, k, N, K_dim, 16, N - 8, 128, K_dim, part)
             torch.cuda.synchronize()
     print(f"cases: {flat} quantize/dequantize combinations; repack and dequantize_tiled at k 2..5", flush=True)
+    weights = {}
+    for k in (2, 3, 4, 5):
+        W = torch.randn(N, K_dim, generator=g) * 0.02
+        for dtype, absmax_format in ((torch.float16, "e4m4"), (torch.bfloat16, "fp16")):
+            packed, absmax, cb = F.quantize_kbit(W, k=k, absmax_format=absmax_format)  # CPU: no kernels
+            Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+            weights[(k, dtype)] = tuple(t.to(dev) for t in (Bp, Ba, cb))
+    # one token count at a time over every config, k and dtype: a run cut short still covers each kernel
+    cases = [
+        (k, dtype, config, M, sms, weight)
+        for M, sms in ((1, 1000), (17, 132), (300, 13))
+        for config in configs
+        for (k, dtype), weight in weights.items()
+    ]
+    done = 0
+    total = len(cases) if limit is None else min(limit, len(cases))
+    t0 = time.time()
+    for k, dtype, config, M, sms, (Bp, Ba, cb) in cases[:total]:
+        A = torch.randn(M, K_dim, generator=g).to(dev, dtype)
+        bias = torch.randn(N, generator=g).to(dev, dtype) if (k + M + (dtype == torch.bfloat16)) % 2 else None
+        out = torch.empty(M, N, dtype=dtype, device=dev)
+        kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, bias, out, config=config, sm_count=sms, path="fused")
+        torch.cuda.synchronize()
+        done += 1
+        if done % 40 == 0:
+            print(f"cases: {done}/{total} GEMM calls, {time.time() - t0:.0f} s", flush=True)
+    print(f"cases: {done} GEMM calls (configs {configs}, k 2..5, fp16/bf16, M 1/17/300)", flush=True)
+
     print("cases: done", flush=True)
 
 
@@ -131,7 +135,7 @@ def main() -> int:
     ap.add_argument("--cases", action="store_true", help="run the cases in this process (what each tool runs)")
     ap.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
     ap.add_argument("--limit", type=int, default=None, help="only the first N GEMM calls")
-    ap.add_argument("--timeout", type=int, default=420, help="seconds per tool (the tools run at once)")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per tool (the tools run at once)")
     ap.add_argument("--logs", default=os.environ.get("OUT", "."), help="folder for the tools' logs")
     args = ap.parse_args()
     if args.cases:
