@@ -25,6 +25,15 @@ SCALE_METHODS = ("mse", "absmax")
 _E4M4_BELOW = {2: 12, 3: 6, 4: 6, 5: 6}
 _E4M4_ABOVE = 1
 _FLOAT_STEPS = torch.tensor([1.0 - j / 64 for j in range(-2, 21)])  # float16 / float32 scales: 1.03 .. 0.69 x
+_STEPS_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _float_steps(device: torch.device) -> torch.Tensor:
+    """_FLOAT_STEPS on ``device``, copied once (a host-to-device copy per chunk would sync the host each time)."""
+    steps = _STEPS_ON.get(device)
+    if steps is None:
+        steps = _STEPS_ON[device] = _FLOAT_STEPS.to(device)
+    return steps
 # blocks per step: 16384 x ~24 candidates x 32 x 16 bytes ~ 200 MiB at most; 16x that on a GPU, where fewer,
 # larger steps keep the kernel launches from dominating
 _CHUNK = {"cpu": 16384}
@@ -62,7 +71,7 @@ def _candidates(amax: torch.Tensor, top: torch.Tensor, absmax_dtype: torch.dtype
         codes = (centre.unsqueeze(1) + torch.arange(-lo, hi + 1, device=amax.device)).clamp(1, 255)
         codes = torch.where((amax > 0).unsqueeze(1), codes, torch.zeros_like(codes))
         return codes.to(torch.uint8), table[codes]
-    steps = _FLOAT_STEPS.to(amax.device) if refit is None else torch.ones(1, device=amax.device)
+    steps = _float_steps(amax.device) if refit is None else torch.ones(1, device=amax.device)
     # clamped to the largest finite scale: a codebook with a tiny max |level| must not store inf (NaN values)
     stored = (target.unsqueeze(1) * steps).clamp(max=torch.finfo(absmax_dtype).max).to(absmax_dtype)
     return stored, stored.to(torch.float32)

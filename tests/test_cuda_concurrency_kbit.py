@@ -13,12 +13,14 @@ import bitsandbytes_kbit.functional as F
 # (M, N, K_dim, k, dtype, path): split-K plans (one token on a deep weight, 17 tokens), a shared-A tile, the large-M
 # fused kernel and the staged path (dequantize to a scratch + cuBLAS): every one keeps per-call state (workspace
 # counters and partial sums, or the scratch) that two concurrent calls must not share.
+# (M, N, K_dim, k, dtype, path, sm_count): sm_count 1000 plans many k splits (0: the device's own count)
 CASES = [
-    (1, 1000, 14336, 4, torch.float16, "auto"),
-    (17, 4096, 4096, 3, torch.bfloat16, "auto"),
-    (5, 1000, 6272, 5, torch.float16, "fused"),
-    (300, 1000, 4096, 2, torch.bfloat16, "fused"),
-    (300, 2048, 4096, 4, torch.float16, "staged"),
+    (1, 1000, 14336, 4, torch.float16, "auto", 0),
+    (1, 1000, 14336, 3, torch.bfloat16, "fused", 1000),
+    (17, 4096, 4096, 3, torch.bfloat16, "auto", 0),
+    (5, 1000, 6272, 5, torch.float16, "fused", 1000),
+    (300, 1000, 4096, 2, torch.bfloat16, "fused", 0),
+    (300, 2048, 4096, 4, torch.float16, "staged", 0),
 ]
 
 
@@ -34,9 +36,9 @@ def _gemm_inputs(M, N, K_dim, k, dtype, device, tag):
 def _run(case, inputs, out):
     from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
 
-    _, N, K_dim, k, _, path = case
+    _, N, K_dim, k, _, path, sms = case
     A, Bp, Ba, cb = inputs
-    kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, None, out, path=path)
+    kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, None, out, sm_count=sms, path=path)
 
 
 @pytest.mark.cuda
@@ -45,10 +47,10 @@ def test_concurrent_gemms_on_two_streams_equal_serial():
     output equals the serial result bit for bit."""
     from bitsandbytes_kbit.backends.cuda.ops import gemm_plan
 
-    assert any(gemm_plan(M, N, K_dim, k)[1] > 1 for M, N, K_dim, k, _, p in CASES if p == "auto"), "a split-K case"
+    assert any(gemm_plan(M, N, K_dim, k, sm_count=s)[1] > 1 for M, N, K_dim, k, _, _, s in CASES), "a split-K case"
     reps = 12
     for case in CASES:
-        M, N, K_dim, k, dtype, _ = case
+        M, N, K_dim, k, dtype = case[:5]
         streams = [torch.cuda.Stream(), torch.cuda.Stream()]
         inputs = [_gemm_inputs(M, N, K_dim, k, dtype, "cuda", s) for s in range(2)]
         torch.cuda.synchronize()  # made on the default stream, read on the side streams
@@ -76,7 +78,7 @@ def test_concurrent_gemms_on_two_streams_equal_serial():
 def test_concurrent_gemms_on_two_devices_equal_serial():
     reps = 8
     for case in CASES[:3]:
-        M, N, K_dim, k, dtype, _ = case
+        M, N, K_dim, k, dtype = case[:5]
         inputs = [_gemm_inputs(M, N, K_dim, k, dtype, f"cuda:{d}", d) for d in range(2)]
         serial = []
         for d in range(2):
@@ -142,6 +144,9 @@ def test_no_host_sync_on_the_cuda_path(k):
         rest()  # warm-up: tables, workspace, scratch
         assert _syncs(lambda m=method: quantize(m)) == 1, f"quantize_kbit(scale_method={method!r})"
         assert _syncs(rest) == 0, "dequantize / repack / GEMM synced the host"
+    # the error-minimizing search with float scales (its candidate steps live on the device once copied)
+    F.quantize_kbit(W, k=k, absmax_format="fp16")
+    assert _syncs(lambda: F.quantize_kbit(W, k=k, absmax_format="fp16")) == 1, "quantize_kbit(absmax_format='fp16')"
     # 'error' mode as well: any sync raises
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
