@@ -305,14 +305,17 @@ def quantize_kbit(
         raise ValueError(
             f"quantize_kbit: scale_method={scale_method!r} is not supported; expected one of {SCALE_METHODS}"
         )
+    check_not_capturing("quantize_kbit", A)
     cb = resolve_codebook(codebook, k, A.device)
     limit = {"e4m4": E4M4_MAX, "fp16": _FP16_MAX}.get(absmax_format)
-    # Data-dependent (one sync), so not traced: under torch.compile the backend op checks finiteness.
-    if limit is not None and A.numel() and A.is_floating_point() and not torch.compiler.is_compiling():
+    # Data-dependent (one sync, the only one of an eager call), so not traced: under torch.compile the backend op
+    # checks finiteness. max |A| is NaN or Inf when any element is (max propagates NaN), so it checks both.
+    checked = A.numel() > 0 and A.is_floating_point() and not torch.compiler.is_compiling()
+    if checked:
         amax = float(A.detach().abs().max())
         if not math.isfinite(amax):
             raise ValueError("quantize_kbit: A contains NaN or Inf; expected finite values")
-        if amax > limit:
+        if limit is not None and amax > limit:
             raise ValueError(
                 f"quantize_kbit: max |A| = {amax:g} exceeds the largest {absmax_format} absmax ({limit:g}); "
                 "use absmax_format='fp32' (or 'fp16' up to 65504), or scale A down first"
@@ -327,12 +330,32 @@ def quantize_kbit(
             )
     if scale_method == "mse":
         check_quantize_args(A, cb, k, ABSMAX_FORMATS[absmax_format])  # the op's own checks
-        if not torch.compiler.is_compiling():  # data-dependent; the range check above is skipped there too
+        if not checked and not torch.compiler.is_compiling():  # data-dependent; skipped under compile as above
             _check_finite("quantize_kbit", "A", A)
         packed, absmax = quantize_blocks_mse(A.detach(), cb, k, ABSMAX_FORMATS[absmax_format])
         return packed, absmax, cb
+    eager = _eager_quantize.get(A.device.type) if checked else None
+    if eager is not None:  # the op's checks without its finiteness check (done above): no second sync
+        check_quantize_args(A, cb, k, ABSMAX_FORMATS[absmax_format])
+        packed, absmax = eager(A, cb, k, ABSMAX_FORMATS[absmax_format])
+        return packed, absmax, cb
     packed, absmax = torch.ops.bitsandbytes.quantize_kbit(A, cb, k, ABSMAX_FORMATS[absmax_format])
     return packed, absmax, cb
+
+
+def check_not_capturing(op: str, A: torch.Tensor) -> None:
+    """quantize checks its input's values on the host (max |A|: NaN, Inf, the absmax range), a sync that CUDA-graph
+    capture forbids (it would invalidate the capture): refuse before anything is enqueued, the capture stays valid."""
+    if A.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{op}: called under CUDA-graph capture; it checks the values of A on the host (a sync, which capture "
+            "forbids). Quantize before capturing (weights are quantized once) and capture the forward"
+        )
+
+
+# Eager absmax-rule quantize per device type, without the op's finiteness check (quantize_kbit checks max |A|
+# first); filled by the CUDA backend.
+_eager_quantize: dict = {}
 
 
 def dequantize_kbit(

@@ -25,6 +25,15 @@ SCALE_METHODS = ("mse", "absmax")
 _E4M4_BELOW = {2: 12, 3: 6, 4: 6, 5: 6}
 _E4M4_ABOVE = 1
 _FLOAT_STEPS = torch.tensor([1.0 - j / 64 for j in range(-2, 21)])  # float16 / float32 scales: 1.03 .. 0.69 x
+_STEPS_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _float_steps(device: torch.device) -> torch.Tensor:
+    """_FLOAT_STEPS on ``device``, copied once (a host-to-device copy per chunk would sync the host each time)."""
+    steps = _STEPS_ON.get(device)
+    if steps is None:
+        steps = _STEPS_ON[device] = _FLOAT_STEPS.to(device)
+    return steps
 # blocks per step: 16384 x ~24 candidates x 32 x 16 bytes ~ 200 MiB at most; 16x that on a GPU, where fewer,
 # larger steps keep the kernel launches from dominating
 _CHUNK = {"cpu": 16384}
@@ -43,30 +52,36 @@ def _assign(blocks: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, 
     safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
     xn = torch.where(scales.unsqueeze(-1) > 0, blocks.unsqueeze(1) / safe, torch.zeros_like(safe))
     idx = _nearest(xn, codebook)
-    sq = (codebook[idx] * scales.unsqueeze(-1) - blocks.unsqueeze(1)) ** 2
+    # errors in units of 2^exponent(block amax): exact (a power of two) and far from float32 overflow, whose inf
+    # (and inf * 0 = NaN at a masked tail) would tie every candidate of blocks above ~1e19
+    unit = torch.exp2(-torch.frexp(blocks.abs().amax(dim=1)).exponent.clamp(-100, 127).to(blocks.dtype))
+    d = (codebook[idx] * scales.unsqueeze(-1) - blocks.unsqueeze(1)) * unit[:, None, None]
+    sq = d * d
     err = (sq if valid is None else sq * valid.unsqueeze(1)).sum(-1)
     return idx, err
 
 
-def _candidates(amax: torch.Tensor, top: float, absmax_dtype: torch.dtype, k: int, refit: torch.Tensor = None):
+def _candidates(amax: torch.Tensor, top: torch.Tensor, absmax_dtype: torch.dtype, k: int, refit: torch.Tensor = None):
     """(stored [B, C], decoded float32 scales [B, C]) around amax / top (or around ``refit`` [B])."""
     target = amax / top if refit is None else refit
     if absmax_dtype == torch.uint8:
         table = e4m4_table(amax.device)
-        centre = encode_absmax_e4m4(target.clamp(max=float(table[-1]))).long()
+        centre = encode_absmax_e4m4(target.clamp(max=table[-1])).long()  # a tensor bound: no host sync
         lo, hi = (_E4M4_BELOW[k], _E4M4_ABOVE) if refit is None else (1, 1)
         codes = (centre.unsqueeze(1) + torch.arange(-lo, hi + 1, device=amax.device)).clamp(1, 255)
         codes = torch.where((amax > 0).unsqueeze(1), codes, torch.zeros_like(codes))
         return codes.to(torch.uint8), table[codes]
-    steps = _FLOAT_STEPS.to(amax.device) if refit is None else torch.ones(1, device=amax.device)
-    stored = (target.unsqueeze(1) * steps).to(absmax_dtype)
+    steps = _float_steps(amax.device) if refit is None else torch.ones(1, device=amax.device)
+    # clamped to the largest finite scale: a codebook with a tiny max |level| must not store inf (NaN values)
+    stored = (target.unsqueeze(1) * steps).clamp(max=torch.finfo(absmax_dtype).max).to(absmax_dtype)
     return stored, stored.to(torch.float32)
 
 
 def _best_blocks(blocks: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype, refit: bool, valid):
     """(indices [B, 32], stored scale [B], squared error [B]) with the least error per block."""
     amax = blocks.abs().amax(dim=1)
-    top = float(codebook.abs().max())
+    top = codebook.abs().max()  # a 0-d tensor on the codebook's device: no host sync
+    top = torch.where(top > 0, top, torch.ones_like(top))  # an all-zero codebook: any scale decodes to 0; not inf
     stored, scales = _candidates(amax, top, absmax_dtype, k)
     idx, err = _assign(blocks, scales, codebook, valid)
     best = err.argmin(dim=1, keepdim=True)  # first on ties: the lowest candidate scale
@@ -104,6 +119,7 @@ def quantize_blocks_mse(
     packed = torch.empty(nb * k, dtype=torch.int32, device=A.device)
     stored = torch.empty(nb, dtype=absmax_dtype, device=A.device)
     chunk = _CHUNK.get(A.device.type, _CHUNK_GPU)
+    lowest = torch.searchsorted(codebook, codebook).to(torch.int32)  # index -> lowest index of the same level
     for start in range(0, nb, chunk):
         stop = min(nb, start + chunk)
         x = flat[start * BLOCKSIZE : stop * BLOCKSIZE].to(torch.float32)
@@ -115,6 +131,7 @@ def quantize_blocks_mse(
             valid = (torch.arange((stop - start) * BLOCKSIZE, device=A.device) < n - start * BLOCKSIZE).float()
             valid = valid.view(-1, BLOCKSIZE)
         idx, st, _ = _best_blocks(blocks, codebook, k, absmax_dtype, refit, valid)
+        idx = lowest[idx]  # a duplicated level: its lowest index, as the format's rule says (same value and error)
         if stop == nb and n < nb * BLOCKSIZE:
             idx.view(-1)[n - start * BLOCKSIZE :] = 0  # padded positions carry index bits 0
         packed[start * k : stop * k] = pack_bitplanes(idx, k)

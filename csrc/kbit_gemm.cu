@@ -630,10 +630,6 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         d.k_splits = d.config == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count)
                                            : choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
-    if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets
-        d.config = FIRST_SHARED_A_CONFIG + 2; // 256 x 32 tiles, 64-bit offsets
-        d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
-    }
     if (d.config == WS_CONFIG) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
         while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, d.k_splits, sm_count) > workspace_bytes) d.k_splits--;
         const size_t need = ws_workspace_bytes(M, N, K_dim, 1, sm_count);
@@ -645,6 +641,11 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
             d.config = FIRST_WGMMA_CONFIG;
             d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
         }
+    }
+    if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets (after
+        // config 7's fallback to config 6 above)
+        d.config = FIRST_SHARED_A_CONFIG + 2; // 256 x 32 tiles, 64-bit offsets
+        d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     const ConfigInfo ci = config_info(d.config);
     // fall back to fewer splits (finally none) when the caller's workspace is too small

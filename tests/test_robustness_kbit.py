@@ -322,6 +322,27 @@ def test_weight_numel_is_the_logical_count():
     assert module.weight_numel == 70 * 48 and module.weight.numel() == 48 * 96 // 32 * 3
 
 
+def test_num_parameters_counts_logical_weights():
+    """nn.num_parameters: a quantized LinearKbit weight counts out x in (the float layer's count), everything else
+    its elements; tied parameters once; only_trainable and exclude_embeddings as transformers defines them."""
+    from bitsandbytes_kbit.nn import num_parameters
+
+    emb = nn.Embedding(40, 70)
+    lin_a, lin_b = make_linear(70, 48, "count-a"), make_linear(48, 40, "count-b")
+    float_model = nn.Sequential(emb, lin_a, nn.LayerNorm(48), lin_b)
+    expected = sum(p.numel() for p in float_model.parameters())
+    kbit = nn.Sequential(emb, LinearKbit.from_linear(lin_a, k=3), nn.LayerNorm(48), LinearKbit.from_linear(lin_b, k=5))
+    assert sum(p.numel() for p in kbit.parameters()) < expected  # packed words
+    assert num_parameters(kbit) == expected
+    assert num_parameters(kbit, exclude_embeddings=True) == expected - 40 * 70
+    trainable = sum(p.numel() for p in kbit.parameters() if p.requires_grad)
+    assert not kbit[1].weight.requires_grad and num_parameters(kbit, only_trainable=True) == trainable
+    kbit.append(kbit[1])  # the same layer twice: counted once
+    assert num_parameters(kbit) == expected
+    lazy = LinearKbit(70, 48, k=3)  # not quantized yet: a float weight of out x in elements
+    assert not lazy.is_quantized and num_parameters(lazy) == 70 * 48 + 48
+
+
 @pytest.mark.cuda
 def test_concurrent_first_forward_cuda():
     lin = make_linear(512, 384, "threads-cuda")

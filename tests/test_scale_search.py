@@ -195,3 +195,48 @@ def test_transformers_config_scale_method_and_default_codebook():
     assert again.bnb_kbit_scale_method == "absmax" and torch.equal(again.codebook(), F.create_codebook("nf", 3))
     with pytest.raises(ValueError, match="bnb_kbit_scale_method='best'"):
         BitsAndBytesKbitConfig(bnb_kbit_scale_method="best")
+
+
+def _block_err64(x, packed, absmax, cb, k):
+    """float64 squared error per block over the real elements of x (any length)."""
+    deq = F.dequantize_kbit(packed, absmax, cb, k, x.numel(), dtype=torch.float32).double()
+    sq = (deq - x.double()) ** 2
+    return torch.cat([sq, sq.new_zeros(-x.numel() % 32)]).view(-1, 32).sum(1)
+
+
+@pytest.mark.parametrize("absmax_format", ["e4m4", "fp16", "fp32"])
+def test_mse_duplicate_levels_take_the_lowest_index(absmax_format):
+    """A duplicated level is stored as its lowest index, the format's tie rule (found by the idempotence property:
+    the search's bucketize took the highest)."""
+    cb = torch.tensor([-1.0, -0.25, 0.0, 0.0, 0.0, 0.5, 0.5, 1.0])
+    x = torch.randn(32 * 64, generator=seeded("dup", absmax_format))
+    packed, _, cb_used = F.quantize_kbit(x, k=3, codebook=cb, absmax_format=absmax_format)
+    idx = ref.unpack_bitplanes(packed, 3).reshape(-1)
+    lowest = torch.searchsorted(cb_used, cb_used)
+    assert torch.equal(lowest[idx], idx) and bool((idx == 2).any()) and bool((idx == 5).any())
+
+
+@pytest.mark.parametrize("absmax_format", ["e4m4", "fp16", "fp32"])
+@pytest.mark.parametrize("levels", [[0.0], [-3e-8, 0.0, 2.4e-8]], ids=["zeros", "tiny"])
+def test_mse_codebook_with_a_tiny_top_stores_finite_scales(absmax_format, levels):
+    """max |level| = 0 or 2.4e-8: the search's amax / max |level| is inf or past fp16's range; the stored scales stay
+    finite and every value too (they were inf and NaN)."""
+    x = torch.randn(32 * 8, generator=seeded("tiny", absmax_format, len(levels))) * 0.05
+    packed, absmax, cb = F.quantize_kbit(x, k=2, codebook=torch.tensor(levels), absmax_format=absmax_format)
+    values = F.dequantize_kbit(packed, absmax, cb, 2, x.numel(), dtype=torch.float32)
+    assert bool(torch.isfinite(values).all())
+    if absmax_format != "e4m4":
+        assert bool(torch.isfinite(absmax.float()).all())
+
+
+def test_mse_is_never_worse_than_absmax_for_huge_values():
+    """fp32 scales for values around 1e19..1e37, where squared errors overflow float32: the search still keeps the
+    least-error scale, never worse than the absmax rule (the squared errors were inf, the masked tail NaN, and the
+    first candidate won)."""
+    g = seeded("huge")
+    x = torch.randn(32 * 50 - 5, generator=g) * torch.logspace(19, 37, 32 * 50 - 5).float()
+    for k in KS:
+        mse = F.quantize_kbit(x, k=k, absmax_format="fp32")
+        rule = F.quantize_kbit(x, k=k, absmax_format="fp32", scale_method="absmax")
+        e_mse, e_rule = _block_err64(x, *mse, k), _block_err64(x, *rule, k)
+        assert bool(torch.isfinite(e_mse).all()) and bool((e_mse <= e_rule * (1 + 1e-6)).all()), k

@@ -1,5 +1,6 @@
 """transformers cases of issue 66: codebooks in the config, GPT-2 Conv1D layers, parameter counts."""
 
+import copy
 import os
 
 import pytest
@@ -99,3 +100,35 @@ def test_gpt2_conv1d_layers_are_quantized(tmp_path):
     assert sum(isinstance(m, LinearKbit) for m in again.modules()) == len(converted)
     with torch.no_grad():
         assert torch.equal(again(IDS % 96).logits, logits)
+
+
+def test_num_parameters_is_the_logical_count(llama_dir, tmp_path):
+    """model.num_parameters() of a k-bit model equals the float model's (every option), after save and reload, a
+    deepcopy and a pickle round trip; under PEFT it adds exactly the LoRA parameters; dequantize() gives it back to
+    transformers. sum(p.numel()) stays the storage count (as with bitsandbytes' 4-bit models)."""
+    import pickle
+
+    import peft
+
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)
+    model = _load(llama_dir, bnb_kbit_bits=3)
+    layers = [m for m in model.modules() if isinstance(m, LinearKbit)]
+    assert layers and all(m.is_quantized for m in layers)
+    quantized = sum(m.out_features * m.in_features for m in layers)
+    assert sum(p.numel() for p in model.parameters()) < float_model.num_parameters()
+    for options in ({}, {"exclude_embeddings": True}):
+        assert model.num_parameters(**options) == float_model.num_parameters(**options), options
+    assert model.num_parameters(only_trainable=True) == float_model.num_parameters(only_trainable=True) - quantized
+    model.save_pretrained(tmp_path / "kbit")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.bfloat16)
+    assert again.num_parameters() == float_model.num_parameters()
+    assert copy.deepcopy(model).num_parameters() == float_model.num_parameters()
+    assert pickle.loads(pickle.dumps(model)).num_parameters() == float_model.num_parameters()
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0)
+    )
+    trainable, _ = lora.get_nb_trainable_parameters()
+    assert trainable == sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n) > 0
+    assert lora.num_parameters() == float_model.num_parameters() + trainable
+    plain = again.dequantize()
+    assert "num_parameters" not in plain.__dict__ and plain.num_parameters() == float_model.num_parameters()

@@ -15,6 +15,7 @@ This module imports transformers; ``bitsandbytes_kbit.integrations.register()`` 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -28,7 +29,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .. import functional as kbit_F
 from .._ops import SUPPORTED_K
-from ..nn.modules import LinearKbit, ParamsKbit
+from ..nn.modules import LinearKbit, ParamsKbit, num_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -331,6 +332,9 @@ class BitsAndBytesKbitHfQuantizer(HfQuantizer):
                 module.quantize_()
                 module.check_format()
                 module.prepare_for_inference()
+        # model.num_parameters() counts the weights a LinearKbit represents, not its packed words (transformers
+        # special-cases only bitsandbytes' Params4bit); a partial, not a bound method, so the model still pickles
+        model.num_parameters = functools.partial(num_parameters, model)
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:
@@ -358,6 +362,7 @@ class BitsAndBytesKbitHfQuantizer(HfQuantizer):
                 if module.bias is not None:
                     linear.bias = nn.Parameter(module.bias.detach().to(weight.dtype), requires_grad=False)
                 model.set_submodule(name, linear)
+        model.__dict__.pop("num_parameters", None)  # a float model again: transformers' own count
         return model
 
 

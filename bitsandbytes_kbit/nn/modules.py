@@ -624,3 +624,19 @@ class LinearKbit(nn.Linear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"k={self.k}, codebook_size={self.codebook.numel()}{cd}"
         )
+
+
+def num_parameters(module: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """The parameters of ``module`` with each quantized ``LinearKbit`` weight counted as the weights it represents
+    (``weight_numel``: out_features x in_features) instead of its packed int32 words; every other parameter counts
+    its elements. Shared (tied) parameters count once. ``only_trainable``: only parameters that require grad (a
+    quantized weight never does); ``exclude_embeddings``: leave ``nn.Embedding`` weights out. Models loaded with
+    ``BitsAndBytesKbitConfig`` answer ``model.num_parameters()`` with this count."""
+    logical = {id(m.weight): m.weight_numel for m in module.modules() if isinstance(m, LinearKbit) and m.is_quantized}
+    skip = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
+    total = 0
+    for p in module.parameters():
+        if id(p) in skip or (only_trainable and not p.requires_grad):
+            continue
+        total += logical.get(id(p), p.numel())
+    return total

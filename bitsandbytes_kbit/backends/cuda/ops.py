@@ -145,7 +145,13 @@ def _call(op: str, fn, *args) -> None:
 @register_kernel("bitsandbytes::quantize_kbit", "cuda")
 def _(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     check_quantize_args(A, codebook, k, absmax_dtype)
+    _functional.check_not_capturing("quantize_kbit", A)
     check_finite("quantize_kbit", "A", A)
+    return _quantize(A, codebook, k, absmax_dtype)
+
+
+def _quantize(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype):
+    """The kernel call of quantize_kbit on checked arguments (no host sync)."""
     fn = _entry(
         "cquantize_kbit_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[A.dtype], absmax=_ABSMAX_NAME[absmax_dtype], k=k
     )
@@ -228,27 +234,46 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Split-K workspace: one zero-initialised buffer per device, reused by every call (the kernel's
-# tile counters reset themselves). It grows only outside CUDA-graph capture; a call that needs
-# more than it has while capturing gets fewer k-splits (the dispatcher falls back), never an
-# allocation.
-# It grows to what a call needs: at most ~32 MiB of split-K tiles (csrc/kbit_gemm.cu, MAX_WORKSPACE_BYTES).
+# Split-K workspaces. The kernel's tile counters reset themselves after each call, so a zero-initialised buffer is
+# reused, but two GEMMs running at once must never share one: eager calls get one buffer per (device, stream),
+# ordered by that stream. Calls under CUDA-graph capture use one buffer per device kept for graphs, which every
+# eager call also grows to what it needed (a capture never allocates: a memset recorded in a graph would not run
+# before a later eager call); a call that needs more than it has while capturing gets fewer k-splits (the dispatcher
+# falls back). A graph buffer that was captured is never freed (the graph keeps its address), and graphs on one
+# device share it: replay graphs holding k-bit GEMMs one at a time (on one stream), not concurrently.
+# A buffer holds at most ~32 MiB of split-K tiles (csrc/kbit_gemm.cu, MAX_WORKSPACE_BYTES).
 _MIN_WORKSPACE_BYTES = 8 << 20
-_workspaces: dict[int, torch.Tensor] = {}
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}  # (device index, raw stream) -> eager buffer
+_graph_workspaces: dict[int, torch.Tensor] = {}  # device index -> buffer for calls under capture
+_captured_workspaces: list[torch.Tensor] = []  # graph buffers replaced by a bigger one, kept alive for their graphs
+_captured_ids: set[int] = set()  # data_ptr of graph buffers used under capture
 
 
-def _workspace(device: torch.device, needed: int) -> torch.Tensor:
+def _grown(ws: torch.Tensor | None, needed: int, device: torch.device) -> torch.Tensor:
+    if ws is not None and ws.numel() >= needed:
+        return ws
+    return torch.zeros(
+        max(needed, _MIN_WORKSPACE_BYTES, 0 if ws is None else ws.numel()), dtype=torch.uint8, device=device
+    )
+
+
+def _workspace(device: torch.device, stream: int, needed: int) -> torch.Tensor:
+    """The split-K buffer for a call on ``stream`` of ``device`` needing ``needed`` bytes (see above)."""
     index = device.index
-    ws = _workspaces.get(index)
-    if (ws is None or ws.numel() < needed) and not torch.cuda.is_current_stream_capturing():
-        ws = torch.zeros(
-            max(needed, _MIN_WORKSPACE_BYTES, 0 if ws is None else ws.numel()), dtype=torch.uint8, device=device
-        )
-        _workspaces[index] = ws
-    if ws is None:
-        raise RuntimeError(
-            "kbit_gemm: first call on this device happened under CUDA-graph capture; run it once eagerly first"
-        )
+    if torch.cuda.is_current_stream_capturing():
+        ws = _graph_workspaces.get(index)
+        if ws is None:
+            raise RuntimeError(
+                "kbit_gemm: first call on this device happened under CUDA-graph capture; run it once eagerly first"
+            )
+        _captured_ids.add(ws.data_ptr())
+        return ws
+    ws = _workspaces[(index, stream)] = _grown(_workspaces.get((index, stream)), needed, device)
+    graph_ws = _graph_workspaces.get(index)
+    if graph_ws is None or graph_ws.numel() < needed:
+        if graph_ws is not None and graph_ws.data_ptr() in _captured_ids:
+            _captured_workspaces.append(graph_ws)
+        _graph_workspaces[index] = _grown(graph_ws, needed, device)
     return ws
 
 
@@ -320,8 +345,8 @@ def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.
 # The staged path: the weight dequantized in chunks to a cached scratch, then cuBLAS. From STAGED_MIN_M tokens the
 # native dispatcher's cost model (ckbit_gemm_staged_preferred, csrc/kbit_gemm.cu) weighs it against the fused configs;
 # below, the fused kernel always runs, so no fp16 copy of W is made at decode sizes. The scratch holds at most
-# STAGING_BYTES (one chunk), per device and dtype, and is never allocated under CUDA-graph capture (the fused kernel
-# runs instead).
+# STAGING_BYTES (one chunk), per device, stream and dtype, and is never used under CUDA-graph capture (the fused
+# kernel runs instead).
 STAGED_MIN_M = 64
 STAGING_BYTES = 64 << 20
 STAGING_ALIGN = 128  # chunk edges on whole cuBLAS tiles (and whole units: 16 rows, 128 k)
@@ -330,16 +355,18 @@ STAGING_AXIS = None  # "n" or "k" forces the cut (dev/probe_staged.py); None: th
 # rounds, median us, k chunks -> rows: 8192 x 28672 M = 4096 3165 -> 2936, M = 2048 1785 -> 1639;
 # 4096 x 14336 M = 4096 775 -> 763, M = 2048 420 -> 413 (dev/probe_staged.py --axes k n --rounds 4)
 STAGED_ROWS_MIN_M = 2048
-_scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+# one scratch per (device, stream, dtype): GEMMs running at once on two streams never share one
+_scratch: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
 
 def _staging_buffer(device: torch.device, dtype: torch.dtype, elems: int):
-    key = (device.index, dtype)
+    if torch.cuda.is_current_stream_capturing():
+        return None  # a graph would keep the address of a buffer that later eager calls reuse or free
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), dtype)
     buf = _scratch.get(key)
-    if (buf is None or buf.numel() < elems) and not torch.cuda.is_current_stream_capturing():
-        buf = torch.empty(elems, dtype=dtype, device=device)
-        _scratch[key] = buf
-    return buf if buf is not None and buf.numel() >= elems else None
+    if buf is None or buf.numel() < elems:
+        buf = _scratch[key] = torch.empty(elems, dtype=dtype, device=device)
+    return buf
 
 
 def staging_chunks(N: int, K_dim: int, elem_bytes: int = 2, M: int = 0) -> tuple[str, list[tuple[int, int]]]:
@@ -447,9 +474,10 @@ def kbit_gemm_cuda(
         return  # else (no scratch under graph capture) the fused kernel
     fn = _gemm_entry(A.dtype, B_absmax.dtype, k)
     ws_bytes = _workspace_bytes(M, N, K_dim, k, sms)
-    ws = _workspaces.get(index)
-    if ws is None or ws.numel() < ws_bytes:
-        ws = _workspace(A.device, ws_bytes)
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    ws = _workspaces.get((index, stream))
+    if ws is None or ws.numel() < ws_bytes or torch._C._cuda_isCurrentStreamCapturing():
+        ws = _workspace(A.device, stream, ws_bytes)
     args = (
         A2.data_ptr(),
         B_packed.data_ptr(),
@@ -466,7 +494,7 @@ def kbit_gemm_cuda(
         ws.numel(),
         sms,
         config,
-        torch._C._cuda_getCurrentRawStream(index),
+        stream,
     )
     if torch._C._cuda_getDevice() == index:
         err = fn(*args)
@@ -493,3 +521,4 @@ def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: to
 
 # Eager calls of functional.kbit_gemm on CUDA tensors skip the dispatcher (they run the same checks first).
 _functional._eager_gemm["cuda"] = kbit_gemm_cuda
+_functional._eager_quantize["cuda"] = _quantize
