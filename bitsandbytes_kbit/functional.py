@@ -21,7 +21,7 @@ from .backends.default.ops import check_indices_in_codebook, e4m4_table
 from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
 from .backends.default.ops import encode_absmax_e4m4 as _encode_e4m4
 from .backends.default.tiled_layout import unrepack_kbit_reference as _unrepack_reference
-from .scale_search import SCALE_METHODS, quantize_blocks_mse
+from .scale_search import SCALE_METHODS, mse_candidate_range, quantize_blocks_mse
 
 __all__ = [
     "create_codebook",
@@ -332,7 +332,12 @@ def quantize_kbit(
         check_quantize_args(A, cb, k, ABSMAX_FORMATS[absmax_format])  # the op's own checks
         if not checked and not torch.compiler.is_compiling():  # data-dependent; skipped under compile as above
             _check_finite("quantize_kbit", "A", A)
-        packed, absmax = quantize_blocks_mse(A.detach(), cb, k, ABSMAX_FORMATS[absmax_format])
+        native = _mse_quantize.get(A.device.type)
+        if native is not None and not torch.compiler.is_compiling():
+            below, above = mse_candidate_range(k, ABSMAX_FORMATS[absmax_format])
+            packed, absmax = native(A.detach(), cb, k, ABSMAX_FORMATS[absmax_format], below, above)
+        else:
+            packed, absmax = quantize_blocks_mse(A.detach(), cb, k, ABSMAX_FORMATS[absmax_format])
         return packed, absmax, cb
     eager = _eager_quantize.get(A.device.type) if checked else None
     if eager is not None:  # the op's checks without its finiteness check (done above): no second sync
@@ -356,6 +361,9 @@ def check_not_capturing(op: str, A: torch.Tensor) -> None:
 # Eager absmax-rule quantize per device type, without the op's finiteness check (quantize_kbit checks max |A|
 # first); filled by the CUDA backend.
 _eager_quantize: dict = {}
+# The mse rule in one native kernel per device type (scale_search.quantize_blocks_mse is its reference and the
+# path everywhere else); filled by the CUDA backend.
+_mse_quantize: dict = {}
 
 
 def dequantize_kbit(

@@ -24,7 +24,19 @@ SCALE_METHODS = ("mse", "absmax")
 # ~0.5 x at k = 2, where clipping an outlier pays most (MiniLM: +0.2 dB at k = 2, nothing at k >= 3)
 _E4M4_BELOW = {2: 12, 3: 6, 4: 6, 5: 6}
 _E4M4_ABOVE = 1
-_FLOAT_STEPS = torch.tensor([1.0 - j / 64 for j in range(-2, 21)])  # float16 / float32 scales: 1.03 .. 0.69 x
+# float16 / float32 scales: target x (1 - j / 64) for j = -_FLOAT_ABOVE .. _FLOAT_BELOW, 1.03 .. 0.69 x
+_FLOAT_BELOW, _FLOAT_ABOVE = 20, 2
+_FLOAT_STEPS = torch.tensor([1.0 - j / 64 for j in range(-_FLOAT_ABOVE, _FLOAT_BELOW + 1)])
+
+
+def mse_candidate_range(k: int, absmax_dtype: torch.dtype) -> tuple[int, int]:
+    """(below, above): how many candidate scales the search tries below and above the rounded absmax (E4M4 codes,
+    or steps of 1/64 for float16 / float32 scales); the native kernels take them from here."""
+    if absmax_dtype == torch.uint8:
+        return _E4M4_BELOW[k], _E4M4_ABOVE
+    return _FLOAT_BELOW, _FLOAT_ABOVE
+
+
 _STEPS_ON: dict[torch.device, torch.Tensor] = {}
 
 
@@ -34,6 +46,8 @@ def _float_steps(device: torch.device) -> torch.Tensor:
     if steps is None:
         steps = _STEPS_ON[device] = _FLOAT_STEPS.to(device)
     return steps
+
+
 # blocks per step: 16384 x ~24 candidates x 32 x 16 bytes ~ 200 MiB at most; 16x that on a GPU, where fewer,
 # larger steps keep the kernel launches from dominating
 _CHUNK = {"cpu": 16384}

@@ -1,6 +1,8 @@
 // k-bit blockwise quantize / dequantize kernels (seed 000 section 1) and their explicit
 // instantiations. Nothing here depends on another translation unit's device code, so the
 // library links without relocatable device code.
+#include <type_traits>
+
 #include "kernels.cuh"
 #include "kbit_tiled_unit.cuh"
 
@@ -183,12 +185,161 @@ __global__ void kDequantizeKbit(
     }
 }
 
+// Error-minimizing quantize (the default "mse" rule; scale_search.quantize_blocks_mse is the reference, op for op):
+// one warp per block, lane j owns element j. Candidate stored scales around amax / max|level| (E4M4: codes
+// -below..+above around the rounded value; fp16 / fp32: target x (1 - j / 64), j = -above..below), each with its
+// nearest-level assignment (ties to the lower index) and its squared error over the valid elements, in units of
+// 2^exponent(amax); the first least error wins. Then the least-squares scale of that assignment and the stored
+// values next to it (E4M4: codes -1..+1) replace it where strictly better. Multiplies and subtracts are rounded
+// one by one (no FMA contraction), as the reference's tensor ops are; only the 32-element sums run in another order,
+// so a near-tie between two candidates can resolve differently (never to a larger error than the sum's rounding).
+template <typename ABSMAX_T> struct MseScale;
+template <> struct MseScale<uint8_t> {
+    __device__ static uint8_t candidate(float target, int j) {  // j-th code from the code nearest target
+        const int c = static_cast<int>(encode_e4m4(fminf(target, decode_e4m4(255)))) + j;
+        return static_cast<uint8_t>(c < 1 ? 1 : c > 255 ? 255 : c);
+    }
+};
+template <> struct MseScale<half> {
+    __device__ static half candidate(float target, int j) {
+        return __float2half_rn(fminf(__fmul_rn(target, 1.0f - static_cast<float>(j) * (1.0f / 64.0f)), 65504.0f));
+    }
+};
+template <> struct MseScale<float> {
+    __device__ static float candidate(float target, int j) {
+        return fminf(__fmul_rn(target, 1.0f - static_cast<float>(j) * (1.0f / 64.0f)), 3.402823466e38f);
+    }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v += __shfl_xor_sync(kFullMask, v, offset);
+    return v;
+}
+
+template <typename T, int K_BITS, typename ABSMAX_T>
+__global__ void kQuantizeKbitMse(
+    const T* __restrict__ A, const float* __restrict__ codebook, int codebook_len, int32_t* __restrict__ packed,
+    ABSMAX_T* __restrict__ absmax, long long n, int below, int above
+) {
+    constexpr bool kCodes = std::is_same<ABSMAX_T, uint8_t>::value;
+    __shared__ float s_code[32], s_mid[32];
+    if (threadIdx.x < 32) {
+        s_code[threadIdx.x] = threadIdx.x < codebook_len ? codebook[threadIdx.x] : 0.0f;
+        s_mid[threadIdx.x] = threadIdx.x + 1 < codebook_len
+                                 ? __fmul_rn(__fadd_rn(codebook[threadIdx.x + 1], codebook[threadIdx.x]), 0.5f)
+                                 : INFINITY;
+    }
+    __syncthreads();
+    float top = 0.0f;
+    for (int c = 0; c < codebook_len; ++c)
+        top = fmaxf(top, fabsf(s_code[c]));
+    if (!(top > 0.0f))
+        top = 1.0f;  // an all-zero codebook: every scale decodes to 0
+    const int n_mids = codebook_len - 1;
+
+    const int lane = threadIdx.x % 32;
+    const long long num_blocks = (n + kBlockElems - 1) / kBlockElems;
+    const long long warps_per_grid = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+    for (long long blk = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; blk < num_blocks;
+         blk += warps_per_grid) {
+        const long long i = blk * kBlockElems + lane;
+        const bool valid = i < n;
+        const float x = valid ? to_float(A[i]) : 0.0f;
+        float amax = fabsf(x);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+        int exponent = 0;
+        frexpf(amax, &exponent);
+        exponent = exponent < -100 ? -100 : exponent > 127 ? 127 : exponent;
+        const float unit = ldexpf(1.0f, -exponent);  // errors in units of 2^exponent(amax): exact, no overflow
+
+        // index of the nearest level (count of midpoints below xn), its squared error (unit^2) summed over the warp
+        auto assign = [&](float scale, int& idx) {
+            const float xn = scale > 0.0f ? __fdiv_rn(x, scale) : 0.0f;
+            int lo = 0, hi = n_mids;  // count of s_mid[0..n_mids) < xn; the midpoints are sorted
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (s_mid[mid] < xn)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            idx = lo;
+            const float d = __fmul_rn(__fsub_rn(__fmul_rn(s_code[lo], scale), x), unit);
+            return warp_sum(valid ? __fmul_rn(d, d) : 0.0f);
+        };
+        auto stored_at = [&](float target, int j) -> ABSMAX_T {
+            if (kCodes && !(amax > 0.0f))
+                return ABSMAX_T(0);
+            return MseScale<ABSMAX_T>::candidate(target, j);
+        };
+
+        const float target = __fdiv_rn(amax, top);
+        ABSMAX_T best_stored = stored_at(target, kCodes ? -below : -above);
+        int best_idx = 0;
+        float best_err = assign(AbsmaxCodec<ABSMAX_T>::decode(best_stored), best_idx);
+        // E4M4: codes ascending (lowest scale first); float: j = -above..below, the largest scale first
+        for (int j = kCodes ? -below + 1 : -above + 1; j <= (kCodes ? above : below); ++j) {
+            const ABSMAX_T st = stored_at(target, j);
+            int idx;
+            const float err = assign(AbsmaxCodec<ABSMAX_T>::decode(st), idx);
+            if (err < best_err) {
+                best_err = err;
+                best_idx = idx;
+                best_stored = st;
+            }
+        }
+        // least-squares scale of the chosen assignment, then the stored values next to it
+        const float q = valid ? s_code[best_idx] : 0.0f;
+        const float qq = warp_sum(__fmul_rn(q, q));
+        float ls = __fdiv_rn(warp_sum(__fmul_rn(x, q)), fmaxf(qq, 1e-30f));
+        if (!(ls > 0.0f))
+            ls = target;
+        for (int j = kCodes ? -1 : 0; j <= (kCodes ? 1 : 0); ++j) {
+            const ABSMAX_T st = stored_at(ls, j);
+            int idx;
+            const float err = assign(AbsmaxCodec<ABSMAX_T>::decode(st), idx);
+            if (err < best_err) {
+                best_err = err;
+                best_idx = idx;
+                best_stored = st;
+            }
+        }
+        while (best_idx > 0 && s_code[best_idx - 1] == s_code[best_idx])
+            --best_idx;  // a duplicated level is stored as its lowest index (same value and error)
+
+        uint32_t my_word = 0;
+#pragma unroll
+        for (int b = 0; b < K_BITS; ++b) {
+            const uint32_t word = __ballot_sync(kFullMask, valid && ((best_idx >> b) & 1));
+            if (lane == b)
+                my_word = word;
+        }
+        if (lane < K_BITS)
+            packed[blk * K_BITS + lane] = static_cast<int32_t>(my_word);
+        if (lane == 0)
+            absmax[blk] = best_stored;
+    }
+}
+
 template <typename T, int K_BITS, typename ABSMAX_T>
 void launch_quantize_kbit(
     unsigned grid, unsigned threads, cudaStream_t stream, const T* A, const float* codebook, int codebook_len,
     int32_t* packed, ABSMAX_T* absmax, long long n
 ) {
     kQuantizeKbit<T, K_BITS, ABSMAX_T><<<grid, threads, 0, stream>>>(A, codebook, codebook_len, packed, absmax, n);
+}
+
+template <typename T, int K_BITS, typename ABSMAX_T>
+void launch_quantize_kbit_mse(
+    unsigned grid, unsigned threads, cudaStream_t stream, const T* A, const float* codebook, int codebook_len,
+    int32_t* packed, ABSMAX_T* absmax, long long n, int below, int above
+) {
+    kQuantizeKbitMse<T, K_BITS, ABSMAX_T>
+        <<<grid, threads, 0, stream>>>(A, codebook, codebook_len, packed, absmax, n, below, above);
 }
 
 template <typename T, int K_BITS, typename ABSMAX_T>
@@ -204,6 +355,9 @@ void launch_dequantize_kbit(
 #define KBIT_INSTANTIATE(T, ABSMAX_T, K_BITS)                                                                          \
     template void launch_quantize_kbit<T, K_BITS, ABSMAX_T>(                                                           \
         unsigned, unsigned, cudaStream_t, const T*, const float*, int, int32_t*, ABSMAX_T*, long long                  \
+    );                                                                                                                 \
+    template void launch_quantize_kbit_mse<T, K_BITS, ABSMAX_T>(                                                       \
+        unsigned, unsigned, cudaStream_t, const T*, const float*, int, int32_t*, ABSMAX_T*, long long, int, int        \
     );                                                                                                                 \
     template void launch_dequantize_kbit<T, K_BITS, ABSMAX_T>(                                                         \
         unsigned, unsigned, cudaStream_t, const int32_t*, const ABSMAX_T*, const float*, int, T*, long long, bool      \

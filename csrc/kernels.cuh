@@ -99,6 +99,13 @@ void launch_quantize_kbit(
     int32_t* packed, ABSMAX_T* absmax, long long n
 );
 
+// quantize with the error-minimizing block scale ("mse"): one warp per block, as above; below / above: the
+// candidate scales tried around the rounded absmax (E4M4 codes, or steps of 1/64 for fp16 / fp32 scales).
+template <typename T, int K_BITS, typename ABSMAX_T>
+void launch_quantize_kbit_mse(
+    unsigned grid, unsigned threads, cudaStream_t stream, const T* A, const float* codebook, int codebook_len,
+    int32_t* packed, ABSMAX_T* absmax, long long n, int below, int above
+);
 // dequantize: one thread per 8 consecutive elements (a quarter block: byte q of every plane word), one 16-byte store
 // (fp16/bf16) or two (fp32) when vector_store allows, so a warp's store covers 512 contiguous bytes, with the
 // evict-first hint. Persistent grid, software pipelined: a thread loads its next group's words (one vector load for k

@@ -48,6 +48,25 @@ cudaError_t quantize_kbit(
 }
 
 template <typename T, int K_BITS, typename ABSMAX_T>
+cudaError_t quantize_kbit_mse(
+    const T* A, const float* codebook, int codebook_len, int32_t* packed, ABSMAX_T* absmax, long long n, int below,
+    int above, cudaStream_t stream
+) {
+    if (n <= 0)
+        return cudaSuccess;
+    if (codebook_len < 1 || codebook_len > (1 << K_BITS) || below < 0 || above < 0)
+        return cudaErrorInvalidValue;
+    const long long num_blocks = (n + kBlockElems - 1) / kBlockElems;
+    const long long warps = kQuantizeThreads / 32;
+    const long long grid = (num_blocks + warps - 1) / warps;  // the kernel strides if this is capped
+    launch_quantize_kbit_mse<T, K_BITS, ABSMAX_T>(
+        static_cast<unsigned>(grid < kMaxGridX ? grid : kMaxGridX), kQuantizeThreads, stream, A, codebook,
+        codebook_len, packed, absmax, n, below, above
+    );
+    return cudaGetLastError();
+}
+
+template <typename T, int K_BITS, typename ABSMAX_T>
 cudaError_t dequantize_kbit(
     const int32_t* packed, const ABSMAX_T* absmax, const float* codebook, int codebook_len, T* out, long long n,
     cudaStream_t stream
@@ -116,6 +135,9 @@ KBIT_TILED_LAUNCHERS(5)
 #define KBIT_LAUNCHERS(T, ABSMAX_T, K_BITS)                                                                            \
     template cudaError_t quantize_kbit<T, K_BITS, ABSMAX_T>(                                                           \
         const T*, const float*, int, int32_t*, ABSMAX_T*, long long, cudaStream_t                                      \
+    );                                                                                                                 \
+    template cudaError_t quantize_kbit_mse<T, K_BITS, ABSMAX_T>(                                                       \
+        const T*, const float*, int, int32_t*, ABSMAX_T*, long long, int, int, cudaStream_t                            \
     );                                                                                                                 \
     template cudaError_t dequantize_kbit<T, K_BITS, ABSMAX_T>(                                                         \
         const int32_t*, const ABSMAX_T*, const float*, int, T*, long long, cudaStream_t                                \

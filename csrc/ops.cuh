@@ -13,6 +13,14 @@ cudaError_t quantize_kbit(
     cudaStream_t stream
 );
 
+// The error-minimizing block scale (the default "mse" rule): candidates `below` / `above` the rounded absmax (E4M4
+// codes, or steps of 1/64 for fp16 / fp32 scales), then the least-squares refit.
+template <typename T, int K_BITS, typename ABSMAX_T>
+cudaError_t quantize_kbit_mse(
+    const T* A, const float* codebook, int codebook_len, int32_t* packed, ABSMAX_T* absmax, long long n, int below,
+    int above, cudaStream_t stream
+);
+
 template <typename T, int K_BITS, typename ABSMAX_T>
 cudaError_t dequantize_kbit(
     const int32_t* packed, const ABSMAX_T* absmax, const float* codebook, int codebook_len, T* out, long long n,

@@ -17,6 +17,15 @@
             static_cast<const T*>(A), codebook, codebook_len, packed, static_cast<ABSMAX_T*>(absmax), n, stream        \
         ));                                                                                                            \
     }                                                                                                                  \
+    int cquantize_kbit_mse_##tname##_##aname##_k##K_BITS(                                                              \
+        const void* A, const float* codebook, int codebook_len, int32_t* packed, void* absmax, long long n, int below,  \
+        int above, cudaStream_t stream                                                                                 \
+    ) {                                                                                                                \
+        return static_cast<int>(kbit::quantize_kbit_mse<T, K_BITS, ABSMAX_T>(                                          \
+            static_cast<const T*>(A), codebook, codebook_len, packed, static_cast<ABSMAX_T*>(absmax), n, below, above, \
+            stream                                                                                                     \
+        ));                                                                                                            \
+    }                                                                                                                  \
     int cdequantize_kbit_##tname##_##aname##_k##K_BITS(                                                                \
         const int32_t* packed, const void* absmax, const float* codebook, int codebook_len, void* out, long long n,    \
         cudaStream_t stream                                                                                            \

@@ -395,6 +395,60 @@ def test_cuda_custom_codebook_and_unaligned_out(k):
     assert big[0].isnan()
 
 
+def mse_test_data(n: int, g: torch.Generator) -> torch.Tensor:
+    """Blocks of very different magnitudes, whole zero blocks and single outliers (the cases the scale search
+    weighs differently from absmax)."""
+    nb = -(-n // 32)
+    scale = torch.exp(torch.randn(nb, generator=g) * 2).repeat_interleave(32)[:n]
+    A = torch.randn(n, generator=g) * scale
+    A[(torch.arange(n) // 32) % 7 == 3] = 0.0  # zero blocks
+    spikes = torch.rand(n, generator=g) < 0.01
+    A[spikes] *= 8  # outliers
+    return A.clamp(-30, 30)
+
+
+def block_sq_err(A, packed, absmax, codebook, k):
+    """Squared error of each block of the quantized A (float64, on the CPU)."""
+    n = A.numel()
+    nb = absmax.numel()
+    d = F.dequantize_kbit(packed.cpu(), absmax.cpu(), codebook.cpu(), k, n, dtype=torch.float32).double()
+    diff = torch.nn.functional.pad(d - A.double(), (0, nb * 32 - n)).view(nb, 32)
+    return (diff**2).sum(1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("absmax_format", ABSMAX_FORMATS)
+@pytest.mark.parametrize("n", (1, 33, 4101, 300_007))
+def test_cuda_mse_kernel_matches_the_reference(k, dtype, absmax_format, n):
+    """The CUDA kernel of the default ("mse") rule against scale_search.quantize_blocks_mse on the CPU: the same
+    words and scales, except where two candidates' errors tie within float32 rounding (the kernel sums a block's 32
+    squared errors in another order); there the kernel's pick has no larger error than the reference's, and such
+    blocks are rare."""
+    from bitsandbytes_kbit.scale_search import quantize_blocks_mse
+
+    g = seeded("cuda-mse", k, dtype, absmax_format, n)
+    A = mse_test_data(n, g).to(dtype)
+    for codebook in ("lloyd-zero", torch.tensor([-1.0, -0.25, -0.25, 0.0, 0.5, 0.9])[: 2**k]):  # duplicated level
+        p_gpu, a_gpu, cb = F.quantize_kbit(A.cuda(), k=k, codebook=codebook, absmax_format=absmax_format)
+        p_ref, a_ref = quantize_blocks_mse(A, cb.cpu(), k, a_gpu.dtype)
+        nb = a_ref.numel()
+        words_differ = (p_gpu.cpu().view(nb, k) != p_ref.view(nb, k)).any(1)
+        differ = words_differ | (
+            a_gpu.cpu().view(torch.uint8).view(nb, -1) != a_ref.view(torch.uint8).view(nb, -1)
+        ).any(1)
+        assert int(differ.sum()) <= max(1, nb // 500), f"{int(differ.sum())} of {nb} blocks differ"
+        if differ.any():
+            e_gpu = block_sq_err(A, p_gpu, a_gpu, cb, k)[differ]
+            e_ref = block_sq_err(A, p_ref, a_ref, cb, k)[differ]
+            assert (e_gpu <= e_ref * (1 + 1e-5) + 1e-30).all(), (e_gpu, e_ref)
+        # the kernel never writes indices past the codebook, and what it stores dequantizes on the GPU as on the CPU
+        out = torch.full((n,), float("nan"), dtype=dtype, device="cuda")
+        F.dequantize_kbit(p_gpu, a_gpu, cb, k, n, dtype=dtype, out=out)
+        assert torch.equal(out.cpu(), F.dequantize_kbit(p_gpu.cpu(), a_gpu.cpu(), cb.cpu(), k, n, dtype=dtype))
+
+
 @pytest.mark.cuda
 def test_cuda_bad_input():
     A = torch.randn(100, device="cuda")

@@ -38,6 +38,18 @@ _SIGNATURES = {
         ct.c_longlong,
         ct.c_void_p,
     ],
+    # (A, codebook, codebook_len, packed, absmax, n, below, above, stream)
+    "cquantize_kbit_mse_{dtype}_{absmax}_k{k}": [
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_int,
+        ct.c_void_p,
+        ct.c_void_p,
+        ct.c_longlong,
+        ct.c_int,
+        ct.c_int,
+        ct.c_void_p,
+    ],
     # (packed, absmax, codebook, codebook_len, out, n, stream)
     "cdequantize_kbit_{dtype}_{absmax}_k{k}": [
         ct.c_void_p,
@@ -170,6 +182,34 @@ def _quantize(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: tor
             _ptr(packed),
             _ptr(absmax),
             A.numel(),
+            _stream(A),
+        )
+    return packed, absmax
+
+
+def _quantize_mse(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype, below: int, above: int):
+    """The error-minimizing quantize (scale_search.quantize_blocks_mse's rule) in one kernel, on checked arguments
+    (no host sync): ``below`` / ``above`` candidate scales around the rounded absmax."""
+    fn = _entry(
+        "cquantize_kbit_mse_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[A.dtype], absmax=_ABSMAX_NAME[absmax_dtype], k=k
+    )
+    A = A.contiguous()
+    codebook = codebook.contiguous()
+    nb = num_blocks(A.numel())
+    packed = torch.empty(nb * k, dtype=torch.int32, device=A.device)
+    absmax = torch.empty(nb, dtype=absmax_dtype, device=A.device)
+    with torch.cuda.device(A.device):
+        _call(
+            "quantize_kbit",
+            fn,
+            _ptr(A),
+            _ptr(codebook),
+            codebook.numel(),
+            _ptr(packed),
+            _ptr(absmax),
+            A.numel(),
+            below,
+            above,
             _stream(A),
         )
     return packed, absmax
@@ -522,3 +562,4 @@ def _(A, B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, bias, out: to
 # Eager calls of functional.kbit_gemm on CUDA tensors skip the dispatcher (they run the same checks first).
 _functional._eager_gemm["cuda"] = kbit_gemm_cuda
 _functional._eager_quantize["cuda"] = _quantize
+_functional._mse_quantize["cuda"] = _quantize_mse
