@@ -79,6 +79,8 @@ def _check_gptq_args(W, H, damp, batch_columns) -> None:
         raise ValueError(f"quantize_kbit_gptq: H is on {H.device} and W on {W.device}; expected the same device")
     if not bool(torch.isfinite(W).all()) or not bool(torch.isfinite(H).all()):
         raise ValueError("quantize_kbit_gptq: W or H contains NaN or Inf; expected finite values")
+    if bool((H.diagonal() < 0).any()):
+        raise ValueError("quantize_kbit_gptq: H has negative diagonal entries; expected X^T X (positive semi-definite)")
     if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp > 0:
         raise ValueError(f"quantize_kbit_gptq: damp={damp!r}; expected a number > 0 (a fraction of mean(diag H))")
     if isinstance(batch_columns, bool) or not isinstance(batch_columns, int) or batch_columns < BLOCKSIZE:
