@@ -80,7 +80,9 @@ def _check_gptq_args(W, H, damp, batch_columns) -> None:
     if not bool(torch.isfinite(W).all()) or not bool(torch.isfinite(H).all()):
         raise ValueError("quantize_kbit_gptq: W or H contains NaN or Inf; expected finite values")
     if bool((H.diagonal() < 0).any()):
-        raise ValueError("quantize_kbit_gptq: H has negative diagonal entries; expected X^T X (positive semi-definite)")
+        raise ValueError(
+            "quantize_kbit_gptq: H has negative diagonal entries; expected X^T X (positive semi-definite)"
+        )
     if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp > 0:
         raise ValueError(f"quantize_kbit_gptq: damp={damp!r}; expected a number > 0 (a fraction of mean(diag H))")
     if isinstance(batch_columns, bool) or not isinstance(batch_columns, int) or batch_columns < BLOCKSIZE:
@@ -180,7 +182,9 @@ def quantize_kbit_gptq(
                 done[b] = True
             w = W1[:, j]
             s = scales[:, b]
-            q_idx = _nearest(torch.where(s > 0, w / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(w)), cb)
+            q_idx = _nearest(
+                torch.where(s > 0, w / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(w)), cb
+            )
             idx[:, perm_list[c]] = q_idx
             err = (w - cb[q_idx] * s) / U1[j, j]
             W1[:, j + 1 :] -= err.unsqueeze(1) * U1[j, j + 1 :].unsqueeze(0)
@@ -353,15 +357,14 @@ def calibrate_model(
     for i, block in _progress(enumerate(blocks), len(blocks), f"GPTQ k={k}", progress):
         prefix = f"{blocks_name}.{i}."
         todo = {n: linears[n] for n in sorted(wanted) if n.startswith(prefix)}
-        hessians, counts, hooks = {}, {}, []
+        stats, hooks = {}, []  # name -> [sum of x x^T (float32), tokens]
         for name, lin in todo.items():
-            hessians[name] = torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32, device=device)
-            counts[name] = 0
+            stats[name] = [torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32, device=device), 0]
 
-            def accumulate(_m, args, _out, name=name):
+            def accumulate(_m, args, _out, stat=stats[name]):
                 x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
-                hessians[name].addmm_(x.t(), x)
-                counts[name] += x.shape[0]
+                stat[0].addmm_(x.t(), x)
+                stat[1] += x.shape[0]
 
             hooks.append(lin.register_forward_hook(accumulate))
         try:
@@ -371,7 +374,8 @@ def calibrate_model(
             for h in hooks:
                 h.remove()
         for name, lin in todo.items():
-            H = hessians.pop(name) / max(counts[name], 1)
+            H_sum, tokens = stats.pop(name)
+            H = H_sum / max(tokens, 1)
             packed, absmax, cb = quantize_kbit_gptq(
                 lin.weight.detach(), H, k, codebook, absmax_format=absmax_format, damp=damp, act_order=act_order
             )

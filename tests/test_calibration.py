@@ -26,7 +26,7 @@ def correlated_inputs(K: int, tokens: int, gen: torch.Generator) -> torch.Tensor
 
 def reference_gptq(W, H, k, codebook, damp, act_order, absmax_format="e4m4"):
     """The dequantized GPTQ weight [N, K] (float64), K a multiple of 32."""
-    N, K = W.shape
+    K = W.shape[1]
     W = W.double().clone()
     H = H.double().clone()
     H += damp * H.diagonal().mean() * torch.eye(K, dtype=torch.float64)
@@ -121,7 +121,9 @@ def test_codebook_tensor_and_zero_rows():
     assert torch.equal(cb, torch.sort(levels).values)
     Q = dequant(packed, absmax, cb, 3, N, K)
     assert torch.equal(Q[3], torch.zeros(K))
-    Q_ref = reference_gptq(W, H + torch.diag((H.diagonal() == 0).double() * H.diagonal().mean()), 3, levels, 0.01, True)
+    Q_ref = reference_gptq(
+        W, H + torch.diag((H.diagonal() == 0).double() * H.diagonal().mean()), 3, levels, 0.01, True
+    )
     assert (Q == Q_ref.float()).float().mean() > 0.97
 
 
@@ -196,7 +198,9 @@ def test_calibration_samples():
 def hessian_of(model, module_name, samples):
     """X^T X / tokens of a linear's inputs, from a plain forward of the whole model."""
     xs = []
-    handle = model.get_submodule(module_name).register_forward_hook(lambda m, a, o: xs.append(a[0].reshape(-1, a[0].shape[-1])))
+    handle = model.get_submodule(module_name).register_forward_hook(
+        lambda m, a, o: xs.append(a[0].reshape(-1, a[0].shape[-1]))
+    )
     with torch.no_grad():
         for s in samples:
             model(s)
@@ -212,8 +216,7 @@ def test_calibrate_model_layer_by_layer():
     samples = calibration_samples(tok, num_samples=6, seq_len=48)
     k = 3
     result = calibrate_model(model, k, samples=samples, progress=False)
-    name, blocks = find_blocks(model)
-    assert name == "model.layers"
+    assert find_blocks(model)[0] == "model.layers"
     expected = sorted(n for n, m in original.named_modules() if type(m) is nn.Linear and n.startswith("model.layers."))
     assert sorted(result) == expected and len(expected) == 14
     # the model now holds the dequantized weights
