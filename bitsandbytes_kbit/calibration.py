@@ -359,10 +359,11 @@ def calibrate_model(
         todo = {n: linears[n] for n in sorted(wanted) if n.startswith(prefix)}
         stats, hooks = {}, []  # name -> [sum of x x^T (float32), tokens]
         for name, lin in todo.items():
-            stats[name] = [torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32, device=device), 0]
+            H0 = torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32, device=lin.weight.device)
+            stats[name] = [H0, 0]
 
             def accumulate(_m, args, _out, stat=stats[name]):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(stat[0].device, torch.float32)
                 stat[0].addmm_(x.t(), x)
                 stat[1] += x.shape[0]
 
