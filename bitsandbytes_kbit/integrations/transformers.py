@@ -6,7 +6,9 @@
     model = AutoModelForCausalLM.from_pretrained(out)  # after `import bitsandbytes_kbit` (or bitsandbytes)
 
 Every ``nn.Linear`` except the skipped ones (default: the output head and tied weights, plus
-``skip_modules``) becomes a ``LinearKbit``. On-the-fly loads quantize each weight on the device
+``skip_modules``) becomes a ``LinearKbit``. With ``bnb_kbit_calibration="gptq"`` the model loads in float, its
+decoder layers are quantized with GPTQ on calibration text (``bitsandbytes_kbit.calibration``), and then the
+layers are converted; the saved checkpoint is an ordinary pre-quantized one. On-the-fly loads quantize each weight on the device
 it is loaded to; pre-quantized loads read the module's own parameter and buffers (``weight``,
 ``absmax``, ``codebook``, ``kbit_format``), so no conversion is needed either way.
 
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 QUANT_METHOD = "bitsandbytes_kbit"
 _CODEBOOK_NAMES = kbit_F.CODEBOOK_KINDS
 _COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+CALIBRATION_METHODS = ("gptq",)
 
 
 def _dtype_name(dtype: None | str | torch.dtype) -> str | None:
@@ -48,6 +51,44 @@ def _dtype_name(dtype: None | str | torch.dtype) -> str | None:
             f"{tuple(_COMPUTE_DTYPES)}"
         )
     return name
+
+
+def _check_calibration(method, texts, tokenizer, samples, seq_len, damp, act_order, scale_method) -> None:
+    name = "BitsAndBytesKbitConfig"
+    if method is not None and method not in CALIBRATION_METHODS:
+        raise ValueError(
+            f"{name}: bnb_kbit_calibration={method!r}; expected None (data-free) or one of {CALIBRATION_METHODS}"
+        )
+    if method is None and (texts is not None or tokenizer is not None):
+        given = "bnb_kbit_calibration_texts" if texts is not None else "bnb_kbit_calibration_tokenizer"
+        raise ValueError(f'{name}: {given} is set but bnb_kbit_calibration is None; pass bnb_kbit_calibration="gptq"')
+    if texts is not None and (
+        isinstance(texts, str)
+        or not isinstance(texts, (list, tuple))
+        or not texts
+        or not all(isinstance(t, str) and t.strip() for t in texts)
+    ):
+        raise ValueError(
+            f"{name}: bnb_kbit_calibration_texts={texts!r:.80}; expected None (the shipped text) or a non-empty list "
+            "of non-empty strings"
+        )
+    if tokenizer is not None and not isinstance(tokenizer, str) and not callable(tokenizer):
+        raise TypeError(
+            f"{name}: bnb_kbit_calibration_tokenizer is a {type(tokenizer).__name__}; expected None (the model's "
+            "own), a name or path, or a tokenizer"
+        )
+    for key, value in (("bnb_kbit_calibration_samples", samples), ("bnb_kbit_calibration_seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {key}={value!r}; expected an int >= 1")
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp > 0:
+        raise ValueError(f"{name}: bnb_kbit_calibration_damp={damp!r}; expected a number > 0")
+    if not isinstance(act_order, bool):
+        raise TypeError(f"{name}: bnb_kbit_calibration_act_order={act_order!r}; expected True or False")
+    if method is not None and scale_method != "mse":
+        raise ValueError(
+            f"{name}: bnb_kbit_scale_method={scale_method!r} with bnb_kbit_calibration={method!r}; calibration "
+            'chooses the scales with the "mse" search: use bnb_kbit_scale_method="mse"'
+        )
 
 
 class BitsAndBytesKbitConfig(QuantizationConfigMixin):
@@ -67,6 +108,18 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
             default skips (output head, tied weights, ``_keep_in_fp32_modules``).
         modules_to_not_convert: filled in at quantization: every module that was kept in float, so a
             pre-quantized reload builds exactly the same model.
+        bnb_kbit_calibration: None (the default: data-free, each weight quantized on its own as it loads) or
+            ``"gptq"``: load in float, run calibration text through the model and quantize its decoder layers
+            one after another with ``quantize_kbit_gptq`` (layers outside them, data-free), then convert.
+            Worth it at k = 2 and 3 (docs/usage.md); costs a float load plus minutes per billion parameters.
+        bnb_kbit_calibration_texts: the calibration text, a list of strings; None: the text the package ships
+            (``bitsandbytes_kbit/data/calibration.txt``, English prose, code and dialogue). Not saved.
+        bnb_kbit_calibration_tokenizer: None (the model's own, ``AutoTokenizer.from_pretrained`` of the
+            model's path), a name or path, or a tokenizer object. A name or path is saved; an object is not.
+        bnb_kbit_calibration_samples, bnb_kbit_calibration_seq_len: how many token windows of what length
+            the text is cut into (``calibration_samples``).
+        bnb_kbit_calibration_damp, bnb_kbit_calibration_act_order: as ``quantize_kbit_gptq``'s damp and
+            act_order.
     """
 
     def __init__(
@@ -79,6 +132,13 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
         skip_modules: list[str] | None = None,
         modules_to_not_convert: list[str] | None = None,
         quant_method: str = QUANT_METHOD,
+        bnb_kbit_calibration: str | None = None,
+        bnb_kbit_calibration_texts: list[str] | None = None,
+        bnb_kbit_calibration_tokenizer: Any = None,
+        bnb_kbit_calibration_samples: int = 32,
+        bnb_kbit_calibration_seq_len: int = 512,
+        bnb_kbit_calibration_damp: float = 0.01,
+        bnb_kbit_calibration_act_order: bool = True,
         **kwargs: Any,
     ):
         if quant_method != QUANT_METHOD:
@@ -122,6 +182,16 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
             else torch.tensor(bnb_kbit_codebook, dtype=torch.float32, device="cpu")
         )
         kbit_F.resolve_codebook(spec, bnb_kbit_bits, "cpu")
+        _check_calibration(
+            bnb_kbit_calibration,
+            bnb_kbit_calibration_texts,
+            bnb_kbit_calibration_tokenizer,
+            bnb_kbit_calibration_samples,
+            bnb_kbit_calibration_seq_len,
+            bnb_kbit_calibration_damp,
+            bnb_kbit_calibration_act_order,
+            bnb_kbit_scale_method,
+        )
         if kwargs:
             logger.warning("BitsAndBytesKbitConfig: ignoring unknown keys %s", sorted(kwargs))
         self.quant_method = QUANT_METHOD
@@ -132,6 +202,13 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
         self.bnb_kbit_compute_dtype = _dtype_name(bnb_kbit_compute_dtype)
         self.skip_modules = list(skip_modules) if skip_modules is not None else None
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
+        self.bnb_kbit_calibration = bnb_kbit_calibration
+        self.bnb_kbit_calibration_texts = list(bnb_kbit_calibration_texts) if bnb_kbit_calibration_texts else None
+        self.bnb_kbit_calibration_tokenizer = bnb_kbit_calibration_tokenizer
+        self.bnb_kbit_calibration_samples = int(bnb_kbit_calibration_samples)
+        self.bnb_kbit_calibration_seq_len = int(bnb_kbit_calibration_seq_len)
+        self.bnb_kbit_calibration_damp = float(bnb_kbit_calibration_damp)
+        self.bnb_kbit_calibration_act_order = bool(bnb_kbit_calibration_act_order)
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -147,6 +224,7 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
         return kbit_F.resolve_codebook(self.codebook_spec(), self.bnb_kbit_bits, device)
 
     def to_dict(self) -> dict[str, Any]:
+        tok = self.bnb_kbit_calibration_tokenizer
         return {
             "quant_method": self.quant_method,
             "load_in_kbit": self.load_in_kbit,
@@ -156,6 +234,13 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
             "bnb_kbit_compute_dtype": self.bnb_kbit_compute_dtype,
             "skip_modules": self.skip_modules,
             "modules_to_not_convert": self.modules_to_not_convert,
+            # how a calibrated checkpoint was made (a reload does not calibrate again); the texts are not saved
+            "bnb_kbit_calibration": self.bnb_kbit_calibration,
+            "bnb_kbit_calibration_tokenizer": tok if isinstance(tok, str) else None,
+            "bnb_kbit_calibration_samples": self.bnb_kbit_calibration_samples,
+            "bnb_kbit_calibration_seq_len": self.bnb_kbit_calibration_seq_len,
+            "bnb_kbit_calibration_damp": self.bnb_kbit_calibration_damp,
+            "bnb_kbit_calibration_act_order": self.bnb_kbit_calibration_act_order,
         }
 
 
@@ -318,13 +403,87 @@ class BitsAndBytesKbitHfQuantizer(HfQuantizer):
                 model, config.skip_modules, getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True
             )
         self.modules_to_not_convert = skips
+        if self._calibrating:  # loads in float; converted after calibration (_process_model_after_weight_loading)
+            config.modules_to_not_convert = sorted(skips)
+            model.config.quantization_config = config
+            return
         replaced = replace_with_linear_kbit(model, config, skips, self.pre_quantized)
         if not replaced:
             logger.warning("bitsandbytes_kbit: no nn.Linear module was converted; the model stays in float")
         config.modules_to_not_convert = sorted(skips)
         model.config.quantization_config = config
 
+    @property
+    def _calibrating(self) -> bool:
+        return not self.pre_quantized and self.quantization_config.bnb_kbit_calibration is not None
+
+    def _calibrate_and_convert(self, model) -> None:
+        """GPTQ over the float model's decoder layers, then every convertible linear becomes a LinearKbit holding
+        the calibrated weight (data-free for those outside the decoder layers)."""
+        from transformers import AutoTokenizer
+
+        from ..calibration import calibrate_model, find_blocks
+
+        config = self.quantization_config
+        names = [
+            n
+            for n, m in model.named_modules()
+            if type(m) in (nn.Linear, Conv1D) and should_convert_module(n, self.modules_to_not_convert)
+        ]
+        if not names:
+            logger.warning("bitsandbytes_kbit: no nn.Linear module was converted; the model stays in float")
+            return
+        tokenizer = config.bnb_kbit_calibration_tokenizer
+        if tokenizer is None or isinstance(tokenizer, str):
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or model.name_or_path)
+        device = next(model.parameters()).device
+        blocks_name, _ = find_blocks(model)
+        in_blocks = [n for n in names if n.startswith(blocks_name + ".") and type(model.get_submodule(n)) is nn.Linear]
+        params = calibrate_model(
+            model,
+            config.bnb_kbit_bits,
+            tokenizer=tokenizer,
+            texts=config.bnb_kbit_calibration_texts,
+            num_samples=config.bnb_kbit_calibration_samples,
+            seq_len=config.bnb_kbit_calibration_seq_len,
+            codebook=config.codebook(device),
+            damp=config.bnb_kbit_calibration_damp,
+            act_order=config.bnb_kbit_calibration_act_order,
+            modules=in_blocks,
+        )
+        for name in names:
+            module = model.get_submodule(name)
+            weight = module.weight.detach()
+            if isinstance(module, Conv1D):
+                weight = weight.t()  # [in, out] -> [out, in]
+            out_features, in_features = weight.shape
+            p = params.get(name)
+            if p is None:
+                p = ParamsKbit.quantize(
+                    weight,
+                    k=config.bnb_kbit_bits,
+                    codebook=config.codebook(weight.device),
+                    scale_method=config.bnb_kbit_scale_method,
+                )
+            new = LinearKbit.empty_quantized(
+                in_features,
+                out_features,
+                device=weight.device,
+                bias=module.bias is not None,
+                k=config.bnb_kbit_bits,
+                codebook=config.codebook_spec(),
+                compute_dtype=config.compute_dtype,
+                dtype=weight.dtype,
+                scale_method=config.bnb_kbit_scale_method,
+            )
+            new.set_quant_params(p)
+            if module.bias is not None:
+                new.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
+            model.set_submodule(name, new)
+
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self._calibrating:
+            self._calibrate_and_convert(model)
         for module in model.modules():
             if isinstance(module, LinearKbit) and module.weight.device.type != "meta":
                 # quantize_() covers a weight the checkpoint lacked (initialized in float by transformers);
