@@ -205,7 +205,10 @@ class SmolLM2:
     def evaluate(self, method: str, k: int) -> dict:
         if method in CALIBRATED_METHODS:
             cal = calibrate_linears(self.model, self.originals, self.tok, method, k, "SmolLM2")
-            return {"smollm2_ppl": demo.perplexity(self.model, self.ids), "smollm2_calibration_s": cal["calibration_s"]}
+            return {
+                "smollm2_ppl": demo.perplexity(self.model, self.ids),
+                "smollm2_calibration_s": cal["calibration_s"],
+            }
         quantize_linears(self.model, self.originals, method, k)
         return {"smollm2_ppl": demo.perplexity(self.model, self.ids)}
 
@@ -374,7 +377,9 @@ def main(argv=None) -> None:
         )
     if args.merge:  # the earlier rows, with those of the (method, k) pairs run now replaced
         done = {(r["method"], r["k"]) for r in rows}
-        rows = [r for r in json.loads(Path(args.merge).read_text())["rows"] if (r["method"], r["k"]) not in done] + rows
+        rows = [
+            r for r in json.loads(Path(args.merge).read_text())["rows"] if (r["method"], r["k"]) not in done
+        ] + rows
     say("")
     say(markdown(rows, refs))
     defaults = {k: F.DEFAULT_CODEBOOK[k] for k in args.ks}

@@ -49,7 +49,9 @@ def run_cases(limit: int | None) -> None:
     for k in (2, 3, 4, 5):
         combos = [(torch.float16, torch.uint8)] if k != 3 else []
         if k == 3:
-            combos = [(d, a) for d in (torch.float16, torch.bfloat16, torch.float32) for a in F.ABSMAX_FORMATS.values()]
+            combos = [
+                (d, a) for d in (torch.float16, torch.bfloat16, torch.float32) for a in F.ABSMAX_FORMATS.values()
+            ]
         for dtype, absmax_dtype in combos:
             cb = F.create_codebook(F.DEFAULT_CODEBOOK[k], k).to(dev)
             A = x.to(dev, dtype)

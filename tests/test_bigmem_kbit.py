@@ -69,7 +69,9 @@ def test_bigmem_quantize_dequantize_above_2_31(scale_method):
         assert torch.equal(out[s:e], ref), f"dequantized elements {s}..{e}"
     # the CPU backend on the 2^20 elements around 2^31 (block-aligned): the same words (the absmax rule) or, for the
     # error-minimizing search, where float rounding may flip a near-tie between two candidate scales, nearly all
-    p_c, a_c, _ = F.quantize_kbit(A[BIG - 2**19 : BIG + 2**19].cpu(), k=k, codebook=cb.cpu(), scale_method=scale_method)
+    p_c, a_c, _ = F.quantize_kbit(
+        A[BIG - 2**19 : BIG + 2**19].cpu(), k=k, codebook=cb.cpu(), scale_method=scale_method
+    )
     b0, b1 = (BIG - 2**19) // 32, (BIG + 2**19) // 32
     if scale_method == "absmax":
         assert torch.equal(packed[b0 * k : b1 * k].cpu(), p_c) and torch.equal(absmax[b0:b1].cpu(), a_c)
@@ -148,9 +150,7 @@ def test_bigmem_gemm_n_times_k_above_2_31():
         assert err <= 2e-3, f"M={M} config={config} {path}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize(
-    "M,N,K_dim", [(BIG // 8192 + 17, 1000, 8192), (BIG // 256 + 33, 8200, 256)], ids=["MK", "MN"]
-)
+@pytest.mark.parametrize("M,N,K_dim", [(BIG // 8192 + 17, 1000, 8192), (BIG // 256 + 33, 8200, 256)], ids=["MK", "MN"])
 def test_bigmem_gemm_tokens_above_2_31(M, N, K_dim):
     """M * K_dim > 2^31 (an A of more than 2^31 elements) and M * N > 2^31 (an output of more than 2^31 elements),
     through every config (forced; the 32-bit token offsets of config 6 reroute to config 5 there) and the staged
