@@ -40,6 +40,7 @@ def run_cases(limit: int | None) -> None:
 
     g = torch.Generator().manual_seed(0)
     dev = "cuda"
+    absmax_name = {v: name for name, v in F.ABSMAX_FORMATS.items()}
     N, K_dim = 584, 1056
     configs = [-1] + [c for c in range(gemm_num_configs()) if gemm_config_available(c)]
     # quantize / dequantize (the kernels of the absmax rule), repack, dequantize_tiled
@@ -56,6 +57,7 @@ def run_cases(limit: int | None) -> None:
             cb = F.create_codebook(F.DEFAULT_CODEBOOK[k], k).to(dev)
             A = x.to(dev, dtype)
             packed, absmax = torch.ops.bitsandbytes.quantize_kbit(A, cb, k, absmax_dtype)
+            F.quantize_kbit(A, k=k, codebook=cb, absmax_format=absmax_name[absmax_dtype])  # the mse kernel
             F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype)
             buf = torch.empty(n + 8, dtype=dtype, device=dev)
             F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype, out=buf[1 : n + 1])  # not 16-byte aligned
@@ -114,11 +116,42 @@ def find_sanitizer() -> str | None:
     return None
 
 
+def reports(log: str) -> list[str]:
+    """The tool's reports: each starts at an unindented '=========' headline and takes the indented lines after it."""
+    blocks: list[list[str]] = []
+    for line in log.splitlines():
+        if not line.startswith("========= ") or not line[10:].strip():
+            continue
+        if line.startswith("=========  "):  # indented: part of the current report
+            if blocks:
+                blocks[-1].append(line[10:].strip())
+        else:
+            blocks.append([line[10:].strip()])
+    skip = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY")
+    return ["\n".join(b) for b in blocks if not b[0].startswith(skip)]
+
+
+def ours(report: str) -> bool:
+    """Whether a report involves this project's code: one of its kernels, or a host frame in its library."""
+    return "kbit::" in report or "kbit" in report.split("Host Frame", 1)[0] or "libbitsandbytes_kbit" in report
+
+
 def summarize(tool: str, log: str) -> tuple[int | None, str]:
-    """(errors, one-line detail) from a tool's output."""
+    """(errors, one-line detail) from a tool's output. initcheck counts only the reports that involve this project's
+    code: only kernels named "kbit" are instrumented, so memory that PyTorch's own kernels wrote looks uninitialized
+    to it, and its host API reports on PyTorch's copies of such memory (sort's index fill, .item() of a reduction)
+    are that limitation, not reads of uninitialized memory; they are counted apart."""
     m = re.findall(r"ERROR SUMMARY: (\d+) error", log)
     errors = int(m[-1]) if m else None
     detail = []
+    if tool == "initcheck" and errors:
+        found = reports(log)
+        mine = [r for r in found if ours(r)]
+        if len(found) >= errors:  # every error has its report in the log
+            detail.append(f"{errors - len(mine)} reports on memory written by uninstrumented PyTorch kernels")
+            errors = len(mine)
+        else:
+            detail.append(f"only {len(found)} of {errors} reports printed ({len(mine)} ours): not narrowed")
     r = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", log)
     if r:
         detail.append(f"hazards {r[-1][0]} ({r[-1][1]} errors, {r[-1][2]} warnings)")
@@ -163,7 +196,11 @@ def main() -> int:
         if tool in ("memcheck", "initcheck"):
             env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # one allocation per tensor: out-of-bounds accesses show
         extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
-        cmd = [sanitizer, "--tool", tool, *kernel_filter, "--print-limit", "20", *extra, *cmd_cases]
+        # initcheck instruments every kernel: with the filter, memory that PyTorch's kernels wrote (torch.zeros of a
+        # repacked weight's padding, the workspace's counters) reads as uninitialized in ours (H200: 20 such reports
+        # in config 0 with the filter, 0 without, on the same cases)
+        filt = [] if tool == "initcheck" else kernel_filter
+        cmd = [sanitizer, "--tool", tool, *filt, "--print-limit", "100000", *extra, *cmd_cases]
         log_path = os.path.join(args.logs, f"sanitize_{tool}.log")
         with open(log_path, "w") as log_file:  # the child keeps its own descriptor
             procs[tool] = (subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env), log_path)

@@ -67,18 +67,18 @@ def test_bigmem_quantize_dequantize_above_2_31(scale_method):
         assert torch.equal(absmax[b0:b1], a_s), f"absmax of elements {s}..{e}"
         ref = F.dequantize_kbit(p_s, a_s, cb, k, e - s, dtype=torch.float16)
         assert torch.equal(out[s:e], ref), f"dequantized elements {s}..{e}"
-    # the CPU backend on the 2^20 elements around 2^31 (block-aligned): the same words (the absmax rule) or, for the
-    # error-minimizing search, where float rounding may flip a near-tie between two candidate scales, nearly all
-    p_c, a_c, _ = F.quantize_kbit(
-        A[BIG - 2**19 : BIG + 2**19].cpu(), k=k, codebook=cb.cpu(), scale_method=scale_method
-    )
-    b0, b1 = (BIG - 2**19) // 32, (BIG + 2**19) // 32
+    # the CPU backend from 2^20 elements below 2^31 to the end (block-aligned start, the short tail block included):
+    # the same words (the absmax rule) or, for the error-minimizing search, where float rounding may flip a near-tie
+    # between two candidate scales, nearly all
+    s0 = BIG - 2**20
+    p_c, a_c, _ = F.quantize_kbit(A[s0:].cpu(), k=k, codebook=cb.cpu(), scale_method=scale_method)
+    b0, b1 = s0 // 32, nb
     if scale_method == "absmax":
         assert torch.equal(packed[b0 * k : b1 * k].cpu(), p_c) and torch.equal(absmax[b0:b1].cpu(), a_c)
     else:
         assert float((absmax[b0:b1].cpu() != a_c).float().mean()) < 1e-3
-    cpu_values = F.dequantize_kbit(packed[b0 * k : b1 * k].cpu(), absmax[b0:b1].cpu(), cb.cpu(), k, 2**20)
-    assert torch.equal(out[BIG - 2**19 : BIG + 2**19].cpu(), cpu_values)
+    cpu_values = F.dequantize_kbit(packed[b0 * k : b1 * k].cpu(), absmax[b0:b1].cpu(), cb.cpu(), k, n - s0)
+    assert torch.equal(out[s0:].cpu(), cpu_values)
     # the tail: its last 7 elements exist, nothing past n is written into a bigger out=
     big_out = torch.full((n + 64,), 7.0, dtype=torch.float16, device="cuda")
     F.dequantize_kbit(packed, absmax, cb, k, n, dtype=torch.float16, out=big_out[:n])
@@ -150,7 +150,9 @@ def test_bigmem_gemm_n_times_k_above_2_31():
         assert err <= 2e-3, f"M={M} config={config} {path}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("M,N,K_dim", [(BIG // 8192 + 17, 1000, 8192), (BIG // 256 + 33, 8200, 256)], ids=["MK", "MN"])
+@pytest.mark.parametrize(
+    "M,N,K_dim", [(BIG // 8192 + 17, 1000, 8192), (BIG // 8200 + 33, 8200, 256)], ids=["MK", "MN"]
+)
 def test_bigmem_gemm_tokens_above_2_31(M, N, K_dim):
     """M * K_dim > 2^31 (an A of more than 2^31 elements) and M * N > 2^31 (an output of more than 2^31 elements),
     through every config (forced; the 32-bit token offsets of config 6 reroute to config 5 there) and the staged

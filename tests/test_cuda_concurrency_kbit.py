@@ -139,9 +139,11 @@ def test_no_host_sync_on_the_cuda_path(k):
         C = torch.empty(300, N, dtype=torch.float16, device="cuda")
         kbit_gemm_cuda(A[300], Bp, Ba, cb, k, N, K_dim, None, C, path="staged")
 
+    _syncs(lambda: None)  # the first use of torch's sync debug mode in a process is not counted against the ops
     for method in ("absmax", "mse"):
-        quantize(method)
-        rest()  # warm-up: tables, workspace, scratch
+        for _ in range(2):  # warm-up: tables, workspace, scratch, and what the first calls in a process set up
+            quantize(method)
+            rest()
         assert _syncs(lambda m=method: quantize(m)) == 1, f"quantize_kbit(scale_method={method!r})"
         assert _syncs(rest) == 0, "dequantize / repack / GEMM synced the host"
     # the error-minimizing search with float scales (its candidate steps live on the device once copied)

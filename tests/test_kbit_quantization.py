@@ -422,10 +422,12 @@ def block_sq_err(A, packed, absmax, codebook, k):
 @pytest.mark.parametrize("absmax_format", ABSMAX_FORMATS)
 @pytest.mark.parametrize("n", (1, 33, 4101, 300_007))
 def test_cuda_mse_kernel_matches_the_reference(k, dtype, absmax_format, n):
-    """The CUDA kernel of the default ("mse") rule against scale_search.quantize_blocks_mse on the CPU: the same
-    words and scales, except where two candidates' errors tie within float32 rounding (the kernel sums a block's 32
-    squared errors in another order); there the kernel's pick has no larger error than the reference's, and such
-    blocks are rare."""
+    """The CUDA kernel of the default ("mse") rule against scale_search.quantize_blocks_mse on the CPU. E4M4 scales:
+    the same words and scales, except where two candidates' errors tie within float32 rounding (the kernel sums a
+    block's 32 squared errors in another order), which is rare. fp16 / fp32 scales: the least-squares refit stores a
+    continuous value, <x, q> / <q, q>, whose last bits follow the summation order, so bytes may differ in any block,
+    and a refit that rounds to the neighbouring fp16 value changes the candidate set: there a block's error may exceed
+    the reference's by up to a scale step (1e-3 relative), and the sum over blocks stays the reference's."""
     from bitsandbytes_kbit.scale_search import quantize_blocks_mse
 
     g = seeded("cuda-mse", k, dtype, absmax_format, n)
@@ -438,11 +440,12 @@ def test_cuda_mse_kernel_matches_the_reference(k, dtype, absmax_format, n):
         differ = words_differ | (
             a_gpu.cpu().view(torch.uint8).view(nb, -1) != a_ref.view(torch.uint8).view(nb, -1)
         ).any(1)
-        assert int(differ.sum()) <= max(1, nb // 500), f"{int(differ.sum())} of {nb} blocks differ"
-        if differ.any():
-            e_gpu = block_sq_err(A, p_gpu, a_gpu, cb, k)[differ]
-            e_ref = block_sq_err(A, p_ref, a_ref, cb, k)[differ]
-            assert (e_gpu <= e_ref * (1 + 1e-5) + 1e-30).all(), (e_gpu, e_ref)
+        if absmax_format == "e4m4":
+            assert int(differ.sum()) <= max(1, nb // 500), f"{int(differ.sum())} of {nb} blocks differ"
+        e_gpu, e_ref = block_sq_err(A, p_gpu, a_gpu, cb, k), block_sq_err(A, p_ref, a_ref, cb, k)
+        tol = 1e-5 if absmax_format == "e4m4" else 2e-3
+        assert (e_gpu <= e_ref * (1 + tol) + 1e-30).all(), ((e_gpu - e_ref) / e_ref.clamp_min(1e-30)).max()
+        assert float(e_gpu.sum()) <= float(e_ref.sum()) * (1 + 1e-4) + 1e-30
         # the kernel never writes indices past the codebook, and what it stores dequantizes on the GPU as on the CPU
         out = torch.full((n,), float("nan"), dtype=dtype, device="cuda")
         F.dequantize_kbit(p_gpu, a_gpu, cb, k, n, dtype=dtype, out=out)
