@@ -9,9 +9,13 @@
 // Arithmetic of kbit_cpu_gemm, the same in every ISA path so that all give identical results: per
 // row n and input row m, 16 float accumulators a[l]; per block with scale s, codebook values w[0..32)
 // and inputs x[0..32) (0 past in_features):
-//     t = x[l] * w[l];  t = fma(x[l + 16], w[l + 16], t);  a[l] = fma(t, s, a[l])      (l = 0..15)
+//     t = x[2l] * w[2l];  t = fma(x[2l + 1], w[2l + 1], t);  a[l] = fma(t, s, a[l])      (l = 0..15)
 // then the lanes are summed as a tree (l + 8, l + 4, l + 2, l + 1), bias added, and the float32 sum
-// cast to the output dtype (round to nearest even).
+// cast to the output dtype (round to nearest even). The inputs are first copied to float32 with each
+// block's even elements before its odd ones (xp[32 j + l] = x[32 j + 2 l], xp[32 j + 16 + l] =
+// x[32 j + 2 l + 1]): AVX-512 then builds the 32 indices of a block as 16-bit lanes, one masked add
+// per bit-plane (the plane word is the lane mask), and looks up the even and odd elements from the
+// low and high halves of each 32-bit lane.
 //
 // ISA paths: 0 portable C++, 1 AVX2 + FMA, 2 AVX-512 (F, BW, VL, DQ); picked at run time by
 // kbit_cpu_best_isa() and passed in by the caller. Threads: OpenMP (in a torch process it is torch's
@@ -20,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -116,6 +121,7 @@ struct GemmArgs {
     int64_t K;      // in_features: inputs at columns >= K count as 0
     int64_t K_pad;  // a multiple of 32
     const void* bias;
+    int bias_dtype;
     void* y;
     int64_t y_stride;
     int y_dtype;
@@ -130,7 +136,7 @@ inline float tree_sum16(const float* a) {
 }
 
 inline void finish(const GemmArgs& g, int64_t m, int64_t n, float sum) {
-    if (g.bias) sum += load_x(g.bias, g.x_dtype, n);
+    if (g.bias) sum += load_x(g.bias, g.bias_dtype, n);
     store_y(g.y, g.y_dtype, m * g.y_stride + n, sum);
 }
 
@@ -138,7 +144,8 @@ inline void finish(const GemmArgs& g, int64_t m, int64_t n, float sum) {
 
 void gemm_rows_portable(const GemmArgs& g, int64_t n0, int64_t n1) {
     const int64_t kb = g.K_pad / kBlock;
-    float w[kBlock], xv[kBlock], acc[16];
+    const float* xp = static_cast<const float*>(g.x);
+    float w[kBlock], acc[16];
     for (int64_t n = n0; n < n1; ++n) {
         for (int64_t m = 0; m < g.M; ++m) {
             for (int l = 0; l < 16; ++l) acc[l] = 0.0f;
@@ -149,13 +156,12 @@ void gemm_rows_portable(const GemmArgs& g, int64_t n0, int64_t n1) {
                     int idx = 0;
                     for (int b = 0; b < g.k; ++b) idx |= int((words[b] >> e) & 1u) << b;
                     w[e] = g.cb[idx];
-                    const int64_t c = j * kBlock + e;
-                    xv[e] = c < g.K ? load_x(g.x, g.x_dtype, m * g.x_stride + c) : 0.0f;
                 }
+                const float* xb = xp + m * g.x_stride + j * kBlock;
                 const float s = load_scale(g.absmax, g.absmax_type, blk);
                 for (int l = 0; l < 16; ++l) {
-                    float t = xv[l] * w[l];
-                    t = std::fma(xv[l + 16], w[l + 16], t);
+                    float t = xb[l] * w[2 * l];
+                    t = std::fma(xb[16 + l], w[2 * l + 1], t);
                     acc[l] = std::fma(t, s, acc[l]);
                 }
             }
@@ -181,29 +187,14 @@ void dequant_blocks_portable(const int32_t* packed, const void* absmax, int absm
 
 // ---------------------------------------------------------------- AVX2 + FMA path
 
-__attribute__((target("avx2,fma"))) inline __m256 load_x8(const GemmArgs& g, int64_t m, int64_t c) {
-    // 8 inputs from column c; columns >= K read as 0.
-    const int64_t left = g.K - c;
-    if (left >= 8) {
-        if (g.x_dtype == BF16) {
-            __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g.x) +
-                                                                         m * g.x_stride + c));
-            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        }
-        return _mm256_loadu_ps(static_cast<const float*>(g.x) + m * g.x_stride + c);
-    }
-    alignas(32) float tmp[8];
-    for (int e = 0; e < 8; ++e) tmp[e] = e < left ? load_x(g.x, g.x_dtype, m * g.x_stride + c + e) : 0.0f;
-    return _mm256_load_ps(tmp);
-}
-
-__attribute__((target("avx2,fma"))) inline __m256i indices8(const uint32_t* words, int k, int shift) {
-    // indices of elements shift .. shift + 7: lane l gets bit (shift + l) of every plane word
-    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+__attribute__((target("avx2,fma"))) inline __m256i indices8(const uint32_t* words, int k, int first) {
+    // indices of elements first, first + 2, ..., first + 14: lane l tests bit first + 2 l of each plane word
+    const __m256i lane_bit = _mm256_sllv_epi32(_mm256_set1_epi32(1), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i want = _mm256_slli_epi32(lane_bit, first);  // first <= 17: bit 31 at most
     __m256i idx = _mm256_setzero_si256();
     for (int b = 0; b < k; ++b) {
-        __m256i w = _mm256_set1_epi32(int((words[b] >> shift) & 0xFFu));
-        __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(w, lane_bit), lane_bit);
+        const __m256i w = _mm256_set1_epi32(int(words[b]));
+        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(w, want), want);
         idx = _mm256_or_si256(idx, _mm256_and_si256(on, _mm256_set1_epi32(1 << b)));
     }
     return idx;
@@ -217,14 +208,17 @@ __attribute__((target("avx2,fma"))) void gemm_rows_avx2(const GemmArgs& g, int64
             for (int64_t j = 0; j < kb; ++j) {
                 const int64_t blk = n * kb + j;
                 const uint32_t* words = reinterpret_cast<const uint32_t*>(g.packed) + blk * g.k;
-                __m256 w[4];
-                for (int q = 0; q < 4; ++q) w[q] = _mm256_i32gather_ps(g.cb, indices8(words, g.k, 8 * q), 4);
-                const int64_t c = j * kBlock;
+                // even elements 0..14 and 16..30, odd elements 1..15 and 17..31
+                const __m256 we0 = _mm256_i32gather_ps(g.cb, indices8(words, g.k, 0), 4);
+                const __m256 we1 = _mm256_i32gather_ps(g.cb, indices8(words, g.k, 16), 4);
+                const __m256 wo0 = _mm256_i32gather_ps(g.cb, indices8(words, g.k, 1), 4);
+                const __m256 wo1 = _mm256_i32gather_ps(g.cb, indices8(words, g.k, 17), 4);
+                const float* xb = static_cast<const float*>(g.x) + m * g.x_stride + j * kBlock;
                 const __m256 s = _mm256_set1_ps(load_scale(g.absmax, g.absmax_type, blk));
-                __m256 t0 = _mm256_mul_ps(load_x8(g, m, c), w[0]);
-                __m256 t1 = _mm256_mul_ps(load_x8(g, m, c + 8), w[1]);
-                t0 = _mm256_fmadd_ps(load_x8(g, m, c + 16), w[2], t0);
-                t1 = _mm256_fmadd_ps(load_x8(g, m, c + 24), w[3], t1);
+                __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xb), we0);
+                __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), we1);
+                t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), wo0, t0);
+                t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), wo1, t1);
                 a0 = _mm256_fmadd_ps(t0, s, a0);
                 a1 = _mm256_fmadd_ps(t1, s, a1);
             }
@@ -240,62 +234,57 @@ __attribute__((target("avx2,fma"))) void gemm_rows_avx2(const GemmArgs& g, int64
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-AVX512_TARGET inline __m512 load_x16(const GemmArgs& g, int64_t m, int64_t c) {
-    const int64_t left = g.K - c;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-    if (g.x_dtype == BF16) {
-        __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(g.x) + m * g.x_stride + c);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(g.x) + m * g.x_stride + c);
-}
-
-// The plane words are lane masks: index lanes get 1 << b where plane b has the element's bit set.
+// Indices of the block's 32 elements, 16 per vector: lane l of plane b's contribution is bit l of the
+// (half) word, moved to bit b by one variable shift, and or-ed in with one ternary-logic op.
 AVX512_TARGET inline void indices16(const uint32_t* words, int k, __m512i& lo, __m512i& hi) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     lo = _mm512_setzero_si512();
     hi = _mm512_setzero_si512();
     for (int b = 0; b < k; ++b) {
         const __m512i bit = _mm512_set1_epi32(1 << b);
-        lo = _mm512_mask_or_epi32(lo, __mmask16(words[b]), lo, bit);
-        hi = _mm512_mask_or_epi32(hi, __mmask16(words[b] >> 16), hi, bit);
+        const __m512i w_lo = _mm512_set1_epi32(int((words[b] & 0xFFFFu) << b));
+        const __m512i w_hi = _mm512_set1_epi32(int((words[b] >> 16) << b));
+        // idx | (shifted & bit): ternary-logic table 0xF8 over (idx, shifted, bit)
+        lo = _mm512_ternarylogic_epi32(lo, _mm512_srlv_epi32(w_lo, lanes), bit, 0xF8);
+        hi = _mm512_ternarylogic_epi32(hi, _mm512_srlv_epi32(w_hi, lanes), bit, 0xF8);
     }
 }
 
-// Codebook lookup: 16 levels by one vpermps, 32 by vpermt2ps.
-template <bool Wide>
+// The 32 indices of a block as 16-bit lanes (element e in lane e): plane word b is the mask of the
+// lanes that get 1 << b.
+template <int K>
+AVX512_TARGET inline __m512i indices32x16(const uint32_t* words) {
+    __m512i idx = _mm512_setzero_si512();
+    for (int b = 0; b < K; ++b) idx = _mm512_mask_add_epi16(idx, __mmask32(words[b]), idx, _mm512_set1_epi16(1 << b));
+    return idx;
+}
+
+// Codebook lookup by the low 4 (vpermps) or 5 (vpermt2ps) bits of each 32-bit lane.
+template <int K>
 AVX512_TARGET inline __m512 lookup(__m512i idx, __m512 cb_lo, __m512 cb_hi) {
-    if constexpr (Wide)
+    if constexpr (K == 5)
         return _mm512_permutex2var_ps(cb_lo, idx, cb_hi);
     else
         return _mm512_permutexvar_ps(idx, cb_lo);
 }
 
-template <bool Wide, int MT>
+template <int K, int A, int MT>
 AVX512_TARGET void gemm_tile_avx512(const GemmArgs& g, int64_t n, int64_t m0) {
     // rows m0 .. m0 + MT of x against weight row n: each block is unpacked once for MT inputs
     const int64_t kb = g.K_pad / kBlock;
     const __m512 cb_lo = _mm512_loadu_ps(g.cb), cb_hi = _mm512_loadu_ps(g.cb + 16);
     __m512 acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(g.packed) + n * kb * g.k;
-    const bool full = g.K == g.K_pad;
-    for (int64_t j = 0; j < kb; ++j, words += g.k) {
-        __m512i i_lo, i_hi;
-        indices16(words, g.k, i_lo, i_hi);
-        const __m512 w_lo = lookup<Wide>(i_lo, cb_lo, cb_hi), w_hi = lookup<Wide>(i_hi, cb_lo, cb_hi);
-        const __m512 s = _mm512_set1_ps(load_scale(g.absmax, g.absmax_type, n * kb + j));
-        const int64_t c = j * kBlock;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(g.packed) + n * kb * K;
+    const float* x0 = static_cast<const float*>(g.x) + m0 * g.x_stride;
+    for (int64_t j = 0; j < kb; ++j, words += K) {
+        const __m512i idx = indices32x16<K>(words);
+        const __m512 w_even = lookup<K>(idx, cb_lo, cb_hi);
+        const __m512 w_odd = lookup<K>(_mm512_srli_epi32(idx, 16), cb_lo, cb_hi);
+        const __m512 s = _mm512_set1_ps(load_scale(g.absmax, A, n * kb + j));
         for (int i = 0; i < MT; ++i) {
-            __m512 x_lo, x_hi;
-            if (full && g.x_dtype == F32) {
-                const float* xr = static_cast<const float*>(g.x) + (m0 + i) * g.x_stride + c;
-                x_lo = _mm512_loadu_ps(xr);
-                x_hi = _mm512_loadu_ps(xr + 16);
-            } else {
-                x_lo = load_x16(g, m0 + i, c);
-                x_hi = load_x16(g, m0 + i, c + 16);
-            }
-            const __m512 t = _mm512_fmadd_ps(x_hi, w_hi, _mm512_mul_ps(x_lo, w_lo));
+            const float* xb = x0 + i * g.x_stride + j * kBlock;
+            const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), w_odd, _mm512_mul_ps(_mm512_loadu_ps(xb), w_even));
             acc[i] = _mm512_fmadd_ps(t, s, acc[i]);
         }
     }
@@ -306,25 +295,36 @@ AVX512_TARGET void gemm_tile_avx512(const GemmArgs& g, int64_t n, int64_t m0) {
     }
 }
 
-template <bool Wide>
-AVX512_TARGET void gemm_rows_avx512_cb(const GemmArgs& g, int64_t n0, int64_t n1) {
+template <int K, int A>
+AVX512_TARGET void gemm_rows_avx512_t(const GemmArgs& g, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
         int64_t m = 0;
-        for (; m + 4 <= g.M; m += 4) gemm_tile_avx512<Wide, 4>(g, n, m);
+        for (; m + 4 <= g.M; m += 4) gemm_tile_avx512<K, A, 4>(g, n, m);
         switch (g.M - m) {
-            case 3: gemm_tile_avx512<Wide, 3>(g, n, m); break;
-            case 2: gemm_tile_avx512<Wide, 2>(g, n, m); break;
-            case 1: gemm_tile_avx512<Wide, 1>(g, n, m); break;
+            case 3: gemm_tile_avx512<K, A, 3>(g, n, m); break;
+            case 2: gemm_tile_avx512<K, A, 2>(g, n, m); break;
+            case 1: gemm_tile_avx512<K, A, 1>(g, n, m); break;
             default: break;
         }
     }
 }
 
+template <int K>
+void gemm_rows_avx512_k(const GemmArgs& g, int64_t n0, int64_t n1) {
+    switch (g.absmax_type) {
+        case E4M4: gemm_rows_avx512_t<K, E4M4>(g, n0, n1); break;
+        case F16: gemm_rows_avx512_t<K, F16>(g, n0, n1); break;
+        default: gemm_rows_avx512_t<K, ABS_F32>(g, n0, n1); break;
+    }
+}
+
 void gemm_rows_avx512(const GemmArgs& g, int64_t n0, int64_t n1) {
-    if (g.k == 5)
-        gemm_rows_avx512_cb<true>(g, n0, n1);
-    else
-        gemm_rows_avx512_cb<false>(g, n0, n1);
+    switch (g.k) {
+        case 2: gemm_rows_avx512_k<2>(g, n0, n1); break;
+        case 3: gemm_rows_avx512_k<3>(g, n0, n1); break;
+        case 4: gemm_rows_avx512_k<4>(g, n0, n1); break;
+        default: gemm_rows_avx512_k<5>(g, n0, n1); break;
+    }
 }
 
 AVX512_TARGET void dequant_blocks_avx512(const int32_t* packed, const void* absmax, int absmax_type, const float* cb,
@@ -405,8 +405,20 @@ int kbit_cpu_gemm(const void* x, int64_t x_stride, int x_dtype, int64_t M, const
                   const void* bias, void* y, int64_t y_stride, int y_dtype, int nthreads, int isa) {
     if (k < 2 || k > 5 || cb_n < 1 || cb_n > (int64_t(1) << k) || K_pad % kBlock || K > K_pad || M < 0 || N < 0)
         return -1;
-    GemmArgs g{x, x_stride, x_dtype, M, packed, absmax, absmax_type, {}, k, K, K_pad, bias, y, y_stride, y_dtype};
+    GemmArgs g{x, x_stride, x_dtype, M, packed, absmax, absmax_type, {}, k, K, K_pad, bias, x_dtype, y, y_stride, y_dtype};
     for (int64_t i = 0; i < cb_n; ++i) g.cb[i] = codebook[i];
+    // The inner loops read float32 rows of K_pad values, each block's even elements first (see the top of
+    // this file): converted once here (M K_pad values, small next to the weight), not once per weight row.
+    thread_local std::vector<float> xp;
+    xp.assign(size_t(M * K_pad), 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < K; ++c)
+            xp[size_t(m * K_pad + (c & ~int64_t(31)) + ((c & 1) << 4) + ((c & 31) >> 1))] =
+                load_x(x, x_dtype, m * x_stride + c);
+    g.x = xp.data();
+    g.x_stride = K_pad;
+    g.x_dtype = F32;
+    g.K = K_pad;
     void (*rows)(const GemmArgs&, int64_t, int64_t) = gemm_rows_portable;
 #if defined(__x86_64__)
     if (isa >= 2)
