@@ -73,6 +73,7 @@ def is_available() -> bool:
 # Read once: forward checks a plain attribute (torch.compile folds it; it would not trace the file lookup).
 AVAILABLE = is_available()
 isa = _lib().kbit_cpu_best_isa() if AVAILABLE else 0
+_gemm = _lib().kbit_cpu_gemm if AVAILABLE else None
 
 
 def _check(rc: int, op: str) -> None:
@@ -115,20 +116,19 @@ def linear(
     """x [..., K] @ W^T (+ bias) for W [N, K] stored flat (rows padded to K_pad); float32 accumulation, the
     result in x's dtype. All tensors on the CPU and contiguous; packed, absmax and codebook as
     ``quantize_kbit`` makes them (absmax uint8 / float16 / float32, codebook float32)."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.dtype not in _IO_TYPES:
-        x2 = x2.to(torch.float32)
-    x2 = x2.contiguous()
-    M = x2.shape[0]
-    if bias is not None and bias.dtype != x2.dtype:
-        bias = bias.to(x2.dtype)
+    # Kept lean: in decoding this runs once per layer and token, and its Python overhead adds up.
+    xc = x if x.dtype in _IO_TYPES else x.to(torch.float32)
+    xc = xc.contiguous()
+    M = xc.numel() // K if K else 0
+    if bias is not None and bias.dtype != xc.dtype:
+        bias = bias.to(xc.dtype)
     if M <= FUSED_MAX_ROWS:
-        y = torch.empty((M, N), dtype=x2.dtype)
-        rc = _lib().kbit_cpu_gemm(
-            x2.data_ptr(),
+        y = torch.empty((*x.shape[:-1], N), dtype=xc.dtype)
+        io = _IO_TYPES[xc.dtype]
+        rc = _gemm(
+            xc.data_ptr(),
             K,
-            _IO_TYPES[x2.dtype],
+            io,
             M,
             packed.data_ptr(),
             absmax.data_ptr(),
@@ -142,29 +142,30 @@ def linear(
             None if bias is None else bias.contiguous().data_ptr(),
             y.data_ptr(),
             N,
-            _IO_TYPES[x2.dtype],
+            io,
             torch.get_num_threads(),
             isa,
         )
-        _check(rc, "kbit_cpu_gemm")
-    else:
-        xf = x2.to(torch.float32)
-        if K_pad != K:
-            xf = torch.nn.functional.pad(xf, (0, K_pad - K))
-        xt = xf.t()
-        yt = torch.empty((N, M), dtype=torch.float32)
-        rows = max(1, min(N, TILE_ELEMENTS // K_pad))
-        tile = torch.empty(rows * K_pad, dtype=torch.float32)
-        for n0 in range(0, N, rows):
-            n1 = min(N, n0 + rows)
-            dequantize_rows(packed, absmax, codebook, k, K_pad, n0, n1, tile)
-            torch.mm(tile[: (n1 - n0) * K_pad].view(n1 - n0, K_pad), xt, out=yt[n0:n1])
-        y = yt.t()
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        y = y.to(x2.dtype)
-    y = y.reshape(*lead, N)
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+        if rc:
+            _check(rc, "kbit_cpu_gemm")
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    # Many rows: weight tiles of about TILE_ELEMENTS dequantized in turn, each multiplied by torch.mm into
+    # the rows of y^T it produces (contiguous), so no float copy of the whole weight exists at any time.
+    xf = xc.view(M, K).to(torch.float32)
+    if K_pad != K:
+        xf = torch.nn.functional.pad(xf, (0, K_pad - K))
+    xt = xf.t()
+    yt = torch.empty((N, M), dtype=torch.float32)
+    rows = max(1, min(N, TILE_ELEMENTS // K_pad))
+    tile = torch.empty(rows * K_pad, dtype=torch.float32)
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        dequantize_rows(packed, absmax, codebook, k, K_pad, n0, n1, tile)
+        torch.mm(tile[: (n1 - n0) * K_pad].view(n1 - n0, K_pad), xt, out=yt[n0:n1])
+    y = yt.t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
 # The same computation as an opaque op for torch.compile (Dynamo cannot trace the ctypes call). Eager
