@@ -1,6 +1,6 @@
 """The native CPU kernels of LinearKbit (csrc/cpu/kbit_cpu.cpp through bitsandbytes_kbit._cpu).
 
-Reference: the pure-PyTorch dequantize (``dequantize_kbit`` of the default backend) and a float64 product. The
+Reference: the pure-PyTorch dequantize (``dequantize_kbit_impl`` of the default backend) and a float64 product. The
 fused kernel (few rows) and the blocked path (dequantize tiles + torch.mm) must stay within the float32
 accumulation bound of that product; every instruction-set path (portable C++, AVX2, AVX-512, as far as this CPU
 runs them) must give the same bits; the tile dequantizer must equal the reference bit for bit. Output buffers are
@@ -15,6 +15,7 @@ from conftest import seeded
 
 import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit import _cpu
+from bitsandbytes_kbit.backends.default.ops import dequantize_kbit_impl
 from bitsandbytes_kbit.nn import LinearKbit
 from bitsandbytes_kbit.nn.modules import padded_features
 
@@ -30,7 +31,7 @@ def quantized(k, N, K, absmax_format="e4m4", codebook=None, *seed):
     K_pad = padded_features(K)
     W = torch.nn.functional.pad(torch.randn(N, K, generator=g) * 0.05, (0, K_pad - K))
     packed, absmax, cb = F.quantize_kbit(W, k=k, codebook=codebook, absmax_format=absmax_format)
-    W_ref = F.dequantize_kbit(packed, absmax, cb, k, N * K_pad, dtype=torch.float32).view(N, K_pad)[:, :K]
+    W_ref = dequantize_kbit_impl(packed, absmax, cb, k, N * K_pad, torch.float32).view(N, K_pad)[:, :K]
     return packed, absmax, cb, W_ref
 
 
@@ -110,7 +111,7 @@ def test_fused_kernel_writes_exactly_its_outputs(M):
 def test_dequantize_rows_is_bit_exact(monkeypatch, k, dtype, absmax_format):
     N, K = 37, 96
     packed, absmax, cb, _ = quantized(k, N, K, absmax_format)
-    ref = F.dequantize_kbit(packed, absmax, cb, k, N * K, dtype=dtype).view(N, K)
+    ref = dequantize_kbit_impl(packed, absmax, cb, k, N * K, dtype).view(N, K)
     for n0, n1 in ((0, N), (5, 6), (11, 30)):
 
         def tile():
@@ -120,6 +121,27 @@ def test_dequantize_rows_is_bit_exact(monkeypatch, k, dtype, absmax_format):
             return out[:-9].view(n1 - n0, K)
 
         assert torch.equal(run_all_isas(monkeypatch, tile), ref[n0:n1])
+
+
+@pytest.mark.parametrize("absmax_format", list(ABSMAX_FORMATS))
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_dequantize_kbit_op_on_cpu_is_bit_exact(monkeypatch, k, absmax_format):
+    """functional.dequantize_kbit on CPU tensors runs the native kernel (the op's CPU kernel): the default backend's
+    values bit for bit, any n (a tail block too), every output dtype, into a poisoned ``out`` as well."""
+    g = seeded("dequantize-op", k, absmax_format)
+    for n in (32 * 50, 32 * 50 - 7, 5):
+        packed, absmax, cb = F.quantize_kbit(torch.randn(n, generator=g), k=k, absmax_format=absmax_format)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            ref = dequantize_kbit_impl(packed, absmax, cb, k, n, dtype)
+            got = run_all_isas(monkeypatch, lambda: F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype))
+            assert torch.equal(got, ref)
+            out = torch.full((n,), float("nan"), dtype=dtype)
+            F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype, out=out)
+            assert torch.equal(out, ref)
+    # A codebook without an entry for a stored index is refused, as by the default backend.
+    packed, absmax, cb = F.quantize_kbit(torch.linspace(-1, 1, 64), k=k, codebook=torch.linspace(-1, 1, 2**k))
+    with pytest.raises(ValueError, match="codebook has 2 entries"):
+        F.dequantize_kbit(packed, absmax, cb[:2], k, 64, dtype=torch.float32)
 
 
 def test_kernel_refuses_bad_arguments():
