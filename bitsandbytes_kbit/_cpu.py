@@ -23,8 +23,8 @@ import torch
 LIBRARY_NAME = "libbitsandbytes_kbit_cpu.so"
 ISA_NAMES = ("portable", "avx2", "avx512")
 # At most this many input rows go through the fused kernel; more use the blocked dequantize + matmul,
-# where torch's GEMM makes up for dequantizing (measured on a Zen 4 core: README, CPU decode).
-FUSED_MAX_ROWS = 8
+# where torch's GEMM makes up for dequantizing (the crossover on a Zen 4 core, 1 and 2 threads).
+FUSED_MAX_ROWS = 16
 # float32 elements of the dequantized weight tile of the blocked path (1 MiB)
 TILE_ELEMENTS = 1 << 18
 

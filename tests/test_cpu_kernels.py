@@ -60,7 +60,7 @@ def run_all_isas(monkeypatch, fn):
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 9, 40])  # <= FUSED_MAX_ROWS: fused kernel; above: blocked
+@pytest.mark.parametrize("M", [1, 2, 3, 5, _cpu.FUSED_MAX_ROWS, _cpu.FUSED_MAX_ROWS + 1, 40])  # fused, blocked
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_linear_matches_reference_on_every_isa(monkeypatch, k, dtype, M, bias):
@@ -87,7 +87,7 @@ def test_absmax_formats_and_short_codebooks(monkeypatch, k, absmax_format):
         assert_within_bound(y.reshape(6, 24), x.reshape(6, 64), W_ref, None)
 
 
-@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("M", [1, 4, 7, _cpu.FUSED_MAX_ROWS])
 def test_fused_kernel_writes_exactly_its_outputs(M):
     """Direct call into a NaN-poisoned output with a row stride wider than N: the M x N block is written (and
     equals the wrapper's result), the columns past N are left alone."""
