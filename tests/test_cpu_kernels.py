@@ -48,12 +48,12 @@ def assert_within_bound(y, x, W_ref, bias):
     assert bool((err <= bound + 1e-30).all()), f"max error {err.max():.3g}, max excess {(err - bound).max():.3g}"
 
 
-def run_all_isas(monkeypatch, fn):
-    """fn() under every ISA path this CPU runs; asserts they agree bit for bit and returns the result."""
+def run_all_isas(monkeypatch, fn, *args, **kwargs):
+    """fn(*args, **kwargs) under every ISA path this CPU runs; asserts they agree bit for bit, returns the result."""
     results = []
     for isa in ISAS:
         monkeypatch.setattr(_cpu, "isa", isa)
-        results.append(fn())
+        results.append(fn(*args, **kwargs))
     for isa, r in zip(ISAS[1:], results[1:]):
         assert torch.equal(r, results[0]), f"{_cpu.ISA_NAMES[isa]} differs from {_cpu.ISA_NAMES[ISAS[0]]}"
     return results[0]
@@ -69,7 +69,7 @@ def test_linear_matches_reference_on_every_isa(monkeypatch, k, dtype, M, bias):
         g = seeded("cpu-kernel-x", k, dtype, M, bias, N, K)
         x = torch.randn(M, K, generator=g).to(dtype)
         b = (torch.randn(N, generator=g) * 0.1).to(dtype) if bias else None
-        y = run_all_isas(monkeypatch, lambda: _cpu.linear(x, packed, absmax, cb, k, N, K, padded_features(K), b))
+        y = run_all_isas(monkeypatch, _cpu.linear, x, packed, absmax, cb, k, N, K, padded_features(K), b)
         assert y.shape == (M, N) and y.dtype == dtype
         assert_within_bound(y, x, W_ref, b)
 
@@ -82,7 +82,7 @@ def test_absmax_formats_and_short_codebooks(monkeypatch, k, absmax_format):
         packed, absmax, cb, W_ref = quantized(k, 24, 64, absmax_format, codebook, levels)
         assert absmax.dtype == ABSMAX_FORMATS[absmax_format] and cb.numel() == levels
         x = torch.randn(2, 3, 64, generator=seeded("short-codebook", k, absmax_format, levels))
-        y = run_all_isas(monkeypatch, lambda: _cpu.linear(x, packed, absmax, cb, k, 24, 64, 64, None))
+        y = run_all_isas(monkeypatch, _cpu.linear, x, packed, absmax, cb, k, 24, 64, 64, None)
         assert y.shape == (2, 3, 24)
         assert_within_bound(y.reshape(6, 24), x.reshape(6, 64), W_ref, None)
 
@@ -112,15 +112,15 @@ def test_dequantize_rows_is_bit_exact(monkeypatch, k, dtype, absmax_format):
     N, K = 37, 96
     packed, absmax, cb, _ = quantized(k, N, K, absmax_format)
     ref = dequantize_kbit_impl(packed, absmax, cb, k, N * K, dtype).view(N, K)
+
+    def tile(n0, n1):
+        out = torch.full(((n1 - n0) * K + 9,), float("nan"), dtype=dtype)
+        _cpu.dequantize_rows(packed, absmax, cb, k, K, n0, n1, out)
+        assert bool(out[-9:].isnan().all())  # nothing past the requested rows
+        return out[:-9].view(n1 - n0, K)
+
     for n0, n1 in ((0, N), (5, 6), (11, 30)):
-
-        def tile():
-            out = torch.full(((n1 - n0) * K + 9,), float("nan"), dtype=dtype)
-            _cpu.dequantize_rows(packed, absmax, cb, k, K, n0, n1, out)
-            assert bool(out[-9:].isnan().all())  # nothing past the requested rows
-            return out[:-9].view(n1 - n0, K)
-
-        assert torch.equal(run_all_isas(monkeypatch, tile), ref[n0:n1])
+        assert torch.equal(run_all_isas(monkeypatch, tile, n0, n1), ref[n0:n1])
 
 
 @pytest.mark.parametrize("absmax_format", list(ABSMAX_FORMATS))
@@ -133,7 +133,7 @@ def test_dequantize_kbit_op_on_cpu_is_bit_exact(monkeypatch, k, absmax_format):
         packed, absmax, cb = F.quantize_kbit(torch.randn(n, generator=g), k=k, absmax_format=absmax_format)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             ref = dequantize_kbit_impl(packed, absmax, cb, k, n, dtype)
-            got = run_all_isas(monkeypatch, lambda: F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype))
+            got = run_all_isas(monkeypatch, F.dequantize_kbit, packed, absmax, cb, k, n, dtype=dtype)
             assert torch.equal(got, ref)
             out = torch.full((n,), float("nan"), dtype=dtype)
             F.dequantize_kbit(packed, absmax, cb, k, n, dtype=dtype, out=out)
