@@ -184,7 +184,9 @@ class LinearKbit(nn.Linear):
         scale_method: how the weight's block scales are chosen, as ``quantize_kbit``: ``"mse"``
             (default) or ``"absmax"``.
         compute_dtype: dtype of the matmul. None: the input's dtype. float16 / bfloat16 use the fused
-            ``kbit_gemm`` on CUDA; float32 dequantizes and multiplies. The output has the input's dtype.
+            ``kbit_gemm`` on CUDA; float32 dequantizes and multiplies. On the CPU every compute dtype runs
+            the native CPU kernels when they were built (float32 accumulation, no float copy of the weight).
+            The output has the input's dtype.
         device, dtype: where and in which float dtype the (not yet quantized) weight is created.
 
     The weight is quantized by ``from_linear``, when a float weight is moved to a CUDA device
@@ -194,8 +196,9 @@ class LinearKbit(nn.Linear):
     """
 
     # Device types on which forward runs the fused kbit_gemm on the repacked (tiled) weight. Elsewhere
-    # the flat weight is dequantized and multiplied, which is what the default backend's kbit_gemm
-    # computes, without its repack. Per instance or per class; tests add "cpu" to run the tiled path.
+    # the flat weight is multiplied as the default backend's kbit_gemm computes it (float32 weight values,
+    # float32 accumulation), without its repack: on the CPU by the native kernels (bitsandbytes_kbit._cpu),
+    # else by dequantize + matmul. Per instance or per class; tests add "cpu" to run the tiled path.
     fused_device_types: tuple[str, ...] = ("cuda",)
     # Device types where moving a float weight (.to / .cuda) quantizes it, as bitsandbytes' Linear4bit does.
     quantize_on_move_device_types: tuple[str, ...] = ("cuda",)
