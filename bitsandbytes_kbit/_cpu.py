@@ -114,14 +114,16 @@ def linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) for W [N, K] stored flat (rows padded to K_pad); float32 accumulation, the
-    result in x's dtype. All tensors on the CPU and contiguous; packed, absmax and codebook as
+    result in x's dtype. All tensors on the CPU; packed, absmax and codebook as
     ``quantize_kbit`` makes them (absmax uint8 / float16 / float32, codebook float32)."""
     # Kept lean: in decoding this runs once per layer and token, and its Python overhead adds up.
     xc = x if x.dtype in _IO_TYPES else x.to(torch.float32)
     xc = xc.contiguous()
+    packed, absmax, codebook = packed.contiguous(), absmax.contiguous(), codebook.contiguous()
     M = xc.numel() // K if K else 0
-    if bias is not None and bias.dtype != xc.dtype:
-        bias = bias.to(xc.dtype)
+    if bias is not None:
+        # bound to a name: a temporary's memory could be freed before the call reads it
+        bias = (bias if bias.dtype == xc.dtype else bias.to(xc.dtype)).contiguous()
     if M <= FUSED_MAX_ROWS:
         y = torch.empty((*x.shape[:-1], N), dtype=xc.dtype)
         io = _IO_TYPES[xc.dtype]
@@ -139,7 +141,7 @@ def linear(
             N,
             K,
             K_pad,
-            None if bias is None else bias.contiguous().data_ptr(),
+            None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             N,
             io,

@@ -195,3 +195,20 @@ def test_without_the_library_linear_kbit_uses_the_pytorch_path(monkeypatch):
         y_torch = module(x)
     assert_within_bound(y_kernel, x, module.dequantize(torch.float32), module.bias.detach())
     assert_within_bound(y_torch, x, module.dequantize(torch.float32), module.bias.detach())
+
+
+@pytest.mark.parametrize("M", [1, 5, 2 * _cpu.FUSED_MAX_ROWS])
+def test_non_contiguous_inputs(M):
+    """Strided x, bias and weight tensors give the result of their contiguous copies (the wrapper makes them
+    contiguous and keeps them alive through the call)."""
+    k, N, K = 3, 20, 45
+    packed, absmax, cb, W_ref = quantized(k, N, K)
+    g = seeded("strided", M)
+    x = torch.randn(M, 2 * K, generator=g)[:, ::2]  # [M, K], stride 2
+    bias = torch.randn(2 * N, generator=g)[::2]
+    assert not x.is_contiguous() and not bias.is_contiguous()
+    packed2 = torch.stack([packed, packed], 1)[:, 0]
+    assert not packed2.is_contiguous()
+    y = _cpu.linear(x, packed2, absmax, cb, k, N, K, padded_features(K), bias)
+    assert torch.equal(y, _cpu.linear(x.contiguous(), packed, absmax, cb, k, N, K, padded_features(K), bias.clone()))
+    assert_within_bound(y, x, W_ref, bias)
