@@ -15,6 +15,7 @@ from . import (
     integrations,
     nn,
 )
+from .backends.cpu import ops as _cpu_ops  # noqa: F401
 from .backends.cuda import ops as _cuda_ops  # noqa: F401
 from .backends.default import ops as _default_ops  # noqa: F401
 from .functional import (  # noqa: F401  (re-exported)

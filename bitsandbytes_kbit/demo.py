@@ -205,7 +205,12 @@ def model_demo(args) -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.enable_progress_bar()  # transformers' own bars for conversion and loading
     device = args.device
-    where = "GPU, fused CUDA kernels" if device.startswith("cuda") else "CPU, default PyTorch backend"
+    if device.startswith("cuda"):
+        where = "GPU, fused CUDA kernels"
+    else:
+        from . import _cpu
+
+        where = f"CPU, {f'native {_cpu.ISA_NAMES[_cpu.isa]} kernels' if _cpu.AVAILABLE else 'PyTorch path'}"
     if args.random_weights:
         path, tok, ids = random_model_dir(), None, None
         say(f"SmolLM2-135M architecture with random weights on {where}: memory and decode speed only")

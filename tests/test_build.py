@@ -48,14 +48,25 @@ def test_missing_library_message(monkeypatch, tmp_path):
 
 
 def test_sources_carry_no_build_switches_or_lab_references():
-    """The CUDA sources compile one way: no timing probes, no -D knobs that pick another code path, no environment
+    """The native sources (CUDA and csrc/cpu) compile one way: no timing probes, no -D knobs that pick another code path, no environment
     switches, and no pointers to files that exist only in this repository (dev tools, the design doc, results)."""
     csrc = Path(__file__).resolve().parent.parent / "csrc"  # the tests run from the repository
-    sources = sorted(p for p in csrc.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp"))
-    assert len(sources) >= 5
+    sources = sorted(p for p in csrc.rglob("*") if p.suffix in (".cu", ".cuh", ".h", ".cpp"))
+    assert len(sources) >= 6 and csrc / "cpu" / "kbit_cpu.cpp" in sources
     forbidden = re.compile(r"KBIT_PROBE|KBIT_TIMELINE|getenv|dev/\w|docs/kernel|benchmarking/")
     knob = re.compile(r"^\s*#\s*(ifdef|ifndef|if)\b.*\bKBIT_(?!WGMMA_BUILT\b)\w+")
     for path in sources:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             assert not forbidden.search(line), f"{path.name}:{number}: {line.strip()}"
             assert not knob.match(line), f"{path.name}:{number}: a build knob: {line.strip()}"
+
+
+@pytest.mark.skipif(
+    not os.environ.get("KBIT_REQUIRE_CPU_LIBRARY"),
+    reason="KBIT_REQUIRE_CPU_LIBRARY unset: without a C++ compiler the install is pure Python (CI sets it with one)",
+)
+def test_cpu_library_present_when_required():
+    from bitsandbytes_kbit import _cpu
+
+    assert _cpu.AVAILABLE, f"a C++ compiler was present but {_cpu.library_path()} was not built or does not load"
+    assert _cpu.isa in range(len(_cpu.ISA_NAMES))

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _cpu
 from .. import functional as kbit_F
 from .._ops import ABSMAX_DTYPES, BLOCKSIZE, GEMM_DTYPES, SUPPORTED_K, check_k
 from ..backends.default.ops import max_index
@@ -150,7 +151,9 @@ class _KbitLinearFunction(torch.autograd.Function):
             return kbit_F.kbit_gemm(x, weight, absmax, codebook, k, N, K_pad, bias=bias)
         # Devices without the fused kernel, and float32 compute: the same arithmetic as the default
         # backend's kbit_gemm (float32 weight, float32 accumulation, cast to x's dtype), read from
-        # the flat format so no repack is needed.
+        # the flat format so no repack is needed. On the CPU the native kernels do it without a float W.
+        if x.device.type == "cpu" and _cpu.AVAILABLE:
+            return _cpu.linear_any(x, weight, absmax, codebook, k, N, K_pad, K_pad, bias)
         W = _dequantize_padded(weight, absmax, codebook, k, N, K_pad, torch.float32)
         y = x.reshape(-1, K_pad).to(torch.float32) @ W.t()
         if bias is not None:
@@ -181,7 +184,9 @@ class LinearKbit(nn.Linear):
         scale_method: how the weight's block scales are chosen, as ``quantize_kbit``: ``"mse"``
             (default) or ``"absmax"``.
         compute_dtype: dtype of the matmul. None: the input's dtype. float16 / bfloat16 use the fused
-            ``kbit_gemm`` on CUDA; float32 dequantizes and multiplies. The output has the input's dtype.
+            ``kbit_gemm`` on CUDA; float32 dequantizes and multiplies. On the CPU every compute dtype runs
+            the native CPU kernels when they were built (float32 accumulation, no float copy of the weight).
+            The output has the input's dtype.
         device, dtype: where and in which float dtype the (not yet quantized) weight is created.
 
     The weight is quantized by ``from_linear``, when a float weight is moved to a CUDA device
@@ -191,8 +196,9 @@ class LinearKbit(nn.Linear):
     """
 
     # Device types on which forward runs the fused kbit_gemm on the repacked (tiled) weight. Elsewhere
-    # the flat weight is dequantized and multiplied, which is what the default backend's kbit_gemm
-    # computes, without its repack. Per instance or per class; tests add "cpu" to run the tiled path.
+    # the flat weight is multiplied as the default backend's kbit_gemm computes it (float32 weight values,
+    # float32 accumulation), without its repack: on the CPU by the native kernels (bitsandbytes_kbit._cpu),
+    # else by dequantize + matmul. Per instance or per class; tests add "cpu" to run the tiled path.
     fused_device_types: tuple[str, ...] = ("cuda",)
     # Device types where moving a float weight (.to / .cuda) quantizes it, as bitsandbytes' Linear4bit does.
     quantize_on_move_device_types: tuple[str, ...] = ("cuda",)
@@ -591,15 +597,30 @@ class LinearKbit(nn.Linear):
             raise ValueError(f"LinearKbit: input has {x.shape[-1]} features; expected in_features={self.in_features}")
         compute_dtype = self.compute_dtype or x.dtype
         h = x if x.dtype == compute_dtype else x.to(compute_dtype)
-        if self.padded_in_features != self.in_features:
-            h = F.pad(h, (0, self.padded_in_features - self.in_features))
         bias = self.bias
         if bias is not None and bias.dtype != compute_dtype:
             bias = bias.to(compute_dtype)
         fused = compute_dtype in GEMM_DTYPES and h.device.type in self.fused_device_types
         if fused != self._tiled or not (fused or self.is_quantized):  # a tiled weight is quantized
             self._ensure_layout(fused)
-        if fused and not (torch.is_grad_enabled() and (h.requires_grad or (bias is not None and bias.requires_grad))):
+        inference = not (torch.is_grad_enabled() and (h.requires_grad or (bias is not None and bias.requires_grad)))
+        if inference and not fused and h.device.type == "cpu" and _cpu.AVAILABLE:
+            # The CPU kernels read the flat weight and the unpadded input (no float copy of W, no pad).
+            y = _cpu.linear_any(
+                h,
+                self.weight,
+                self.absmax,
+                self.codebook,
+                self.k,
+                self.out_features,
+                self.in_features,
+                self.padded_in_features,
+                bias,
+            )
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        if self.padded_in_features != self.in_features:
+            h = F.pad(h, (0, self.padded_in_features - self.in_features))
+        if fused and inference:
             # Inference: no autograd node, and an eager call goes straight to the kernel.
             y = kbit_F._kbit_gemm_prepared(
                 h, self.weight, self.absmax, self.codebook, self.k, self.out_features, self.padded_in_features, bias
