@@ -1,4 +1,4 @@
-// CPU kernels of bitsandbytes-kbit over the flat k-bit format (DESIGN.md section 3): block i of 32
+// CPU kernels of bitsandbytes-kbit over the flat k-bit format: block i of 32
 // weights is k int32 bit-plane words at packed[i k .. i k + k) (word b holds bit b of the 32 indices,
 // element j in bit j) and one scale absmax[i] (uint8 E4M4, float16 or float32).
 //
