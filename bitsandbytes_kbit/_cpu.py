@@ -6,7 +6,7 @@ LinearKbit uses the PyTorch path (dequantize, then multiply). Neither path keeps
 - few input rows (decode): one fused kernel reads the packed bit-planes, looks the codebook up and
   multiplies, with float32 accumulation;
 - many rows (prefill, perplexity): a few hundred weight rows at a time are dequantized into a buffer of
-  about 1 MiB and multiplied by torch's matmul.
+  at most 4 MiB and multiplied by torch's matmul.
 
 ``isa`` is the instruction set the kernels use (0 portable C++, 1 AVX2, 2 AVX-512), the best this CPU
 runs; every path gives the same results, and tests lower it to check the others.
@@ -25,8 +25,9 @@ ISA_NAMES = ("portable", "avx2", "avx512")
 # At most this many input rows go through the fused kernel; more use the blocked dequantize + matmul,
 # where torch's GEMM makes up for dequantizing (the crossover on a Zen 4 core, 1 and 2 threads).
 FUSED_MAX_ROWS = 16
-# float32 elements of the dequantized weight tile of the blocked path (1 MiB)
-TILE_ELEMENTS = 1 << 18
+# float32 elements of the dequantized weight tile of the blocked path (4 MiB: few tiles, so few thread-pool
+# rounds per call, which matters on a busy machine)
+TILE_ELEMENTS = 1 << 20
 
 _ABSMAX_TYPES = {torch.uint8: 0, torch.float16: 1, torch.float32: 2}
 _IO_TYPES = {torch.float32: 0, torch.bfloat16: 1}

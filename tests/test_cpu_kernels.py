@@ -212,3 +212,20 @@ def test_non_contiguous_inputs(M):
     y = _cpu.linear(x, packed2, absmax, cb, k, N, K, padded_features(K), bias)
     assert torch.equal(y, _cpu.linear(x.contiguous(), packed, absmax, cb, k, N, K, padded_features(K), bias.clone()))
     assert_within_bound(y, x, W_ref, bias)
+
+
+@pytest.mark.parametrize("tile_elements", [1, 3 * 96, 7 * 96 + 5])
+def test_blocked_path_over_several_tiles(monkeypatch, tile_elements):
+    """Many input rows with a weight tile smaller than the weight: weight rows split into tiles of 1, 3 and 7 (the
+    last one partial) fill every output and stay within the bound (torch.mm may sum in another order per shape)."""
+    k, N, K = 4, 40, 90
+    packed, absmax, cb, W_ref = quantized(k, N, K)
+    g = seeded("tiles", tile_elements)
+    x = torch.randn(3, _cpu.FUSED_MAX_ROWS, K, generator=g).bfloat16()
+    bias = torch.randn(N, generator=g).bfloat16()
+    one_tile = _cpu.linear(x, packed, absmax, cb, k, N, K, 96, bias)
+    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", tile_elements)
+    tiled = _cpu.linear(x, packed, absmax, cb, k, N, K, 96, bias)
+    assert tiled.shape == (3, _cpu.FUSED_MAX_ROWS, N)
+    torch.testing.assert_close(tiled, one_tile)
+    assert_within_bound(tiled.reshape(-1, N), x.reshape(-1, K), W_ref, bias)

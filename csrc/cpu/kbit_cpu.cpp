@@ -1,4 +1,4 @@
-// CPU kernels of bitsandbytes-kbit over the flat k-bit format (DESIGN.md section 3): block i of 32
+// CPU kernels of bitsandbytes-kbit over the flat k-bit format: block i of 32
 // weights is k int32 bit-plane words at packed[i k .. i k + k) (word b holds bit b of the 32 indices,
 // element j in bit j) and one scale absmax[i] (uint8 E4M4, float16 or float32).
 //
@@ -419,6 +419,7 @@ int kbit_cpu_gemm(const void* x, int64_t x_stride, int x_dtype, int64_t M, const
     g.x_stride = K_pad;
     g.x_dtype = F32;
     g.K = K_pad;
+    (void)isa;  // only the x86-64 build has other paths
     void (*rows)(const GemmArgs&, int64_t, int64_t) = gemm_rows_portable;
 #if defined(__x86_64__)
     if (isa >= 2)
@@ -439,6 +440,7 @@ int kbit_cpu_dequantize(const int32_t* packed, const void* absmax, int absmax_ty
     if (k < 2 || k > 5 || cb_n < 1 || cb_n > (int64_t(1) << k) || b0 < 0 || b1 < b0) return -1;
     float cb[32] = {};
     for (int64_t i = 0; i < cb_n; ++i) cb[i] = codebook[i];
+    (void)isa;
     const int64_t absmax_bytes = absmax_type == E4M4 ? 1 : absmax_type == F16 ? 2 : 4;
     auto body = [&](int64_t s, int64_t e) {
         // blocks b0 + s .. b0 + e, written from out's element 32 s
