@@ -43,8 +43,8 @@ KBIT_METHODS = {  # name -> (codebook, scale_method)
     "lloyd+mse": ("lloyd", "mse"),
     "lloyd-zero+mse": ("lloyd-zero", "mse"),
 }
-CALIBRATED_METHODS = {  # name -> (num_samples, seq_len) of calibration windows, per model
-    "gptq": {"MiniLM": (64, 128), "SmolLM2": (32, 256)},
+CALIBRATED_METHODS = {  # name -> calibrate_model's arguments per model (windows of the shipped calibration text)
+    "gptq": {"MiniLM": {"num_samples": 64, "seq_len": 128}, "SmolLM2": {"num_samples": 16, "seq_len": 256}},
 }
 BNB_METHODS = ("bnb nf4", "bnb fp4", "bnb int8")
 # 32 layers x (q, o: 4096 x 4096; k, v: 1024 x 4096; gate, up, down: 14336 x 4096)
@@ -122,10 +122,9 @@ def calibrate_linears(model: nn.Module, originals: dict, tok, method: str, k: in
 
     for name, W in originals.items():
         model.get_submodule(name).weight.data.copy_(W)
-    num_samples, seq_len = CALIBRATED_METHODS[method][model_name]
     t0 = time.perf_counter()
     result = calibrate_model(
-        model, k, tokenizer=tok, num_samples=num_samples, seq_len=seq_len, modules=list(originals)
+        model, k, tokenizer=tok, modules=list(originals), **CALIBRATED_METHODS[method][model_name]
     )
     seconds = time.perf_counter() - t0
     for name, W in originals.items():  # outside the repeated blocks (MiniLM's pooler): data-free
@@ -205,7 +204,10 @@ class SmolLM2:
     def evaluate(self, method: str, k: int) -> dict:
         if method in CALIBRATED_METHODS:
             cal = calibrate_linears(self.model, self.originals, self.tok, method, k, "SmolLM2")
-            return {"smollm2_ppl": demo.perplexity(self.model, self.ids), "smollm2_calibration_s": cal["calibration_s"]}
+            return {
+                "smollm2_ppl": demo.perplexity(self.model, self.ids),
+                "smollm2_calibration_s": cal["calibration_s"],
+            }
         quantize_linears(self.model, self.originals, method, k)
         return {"smollm2_ppl": demo.perplexity(self.model, self.ids)}
 
@@ -372,24 +374,26 @@ def main(argv=None) -> None:
             + ", ".join(f"{key} {v:.4g}" for key, v in row.items() if isinstance(v, float))
             + f" ({time.perf_counter() - t0:.0f} s)"
         )
+    earlier = {}
     if args.merge:  # the earlier rows, with those of the (method, k) pairs run now replaced
+        earlier = json.loads(Path(args.merge).read_text())
         done = {(r["method"], r["k"]) for r in rows}
-        rows = [r for r in json.loads(Path(args.merge).read_text())["rows"] if (r["method"], r["k"]) not in done] + rows
+        rows = [r for r in earlier["rows"] if (r["method"], r["k"]) not in done] + rows
     say("")
     say(markdown(rows, refs))
-    defaults = {k: F.DEFAULT_CODEBOOK[k] for k in args.ks}
+    defaults = {k: F.DEFAULT_CODEBOOK[k] for k in sorted({r["k"] for r in rows if r["k"] in F.DEFAULT_CODEBOOK})}
     say(f"\ndefault = codebook {defaults} with scale_method='mse'")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
                 {
                     "device": str(device),
-                    "quantize_elements_per_s": speed,
-                    "references": refs,
+                    "quantize_elements_per_s": earlier.get("quantize_elements_per_s", speed),
+                    "references": refs or earlier.get("references", {}),
                     "default_codebook": defaults,
                     "calibration": {
                         "text": "bitsandbytes_kbit/data/calibration.txt",
-                        "windows (num_samples, seq_len)": CALIBRATED_METHODS,
+                        "arguments": CALIBRATED_METHODS,
                     },
                     "rows": rows,
                 },
