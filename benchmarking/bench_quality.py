@@ -358,6 +358,28 @@ def main(argv=None) -> None:
         models.append(m)
         if isinstance(m, SmolLM2):
             refs[ref_name] = m.ref
+    earlier = json.loads(Path(args.merge).read_text()) if args.merge else {}
+
+    def merged(rows: list[dict]) -> list[dict]:  # the earlier rows, with those of the pairs run now replaced
+        done = {(r["method"], r["k"]) for r in rows}
+        return [r for r in earlier.get("rows", []) if (r["method"], r["k"]) not in done] + rows
+
+    def write_json(rows: list[dict]) -> None:
+        defaults = {k: F.DEFAULT_CODEBOOK[k] for k in sorted({r["k"] for r in rows if r["k"] in F.DEFAULT_CODEBOOK})}
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": str(device),
+                    "quantize_elements_per_s": earlier.get("quantize_elements_per_s", speed),
+                    "references": refs or earlier.get("references", {}),
+                    "default_codebook": defaults,
+                    "calibration": {"text": "bitsandbytes_kbit/data/calibration.txt", "arguments": CALIBRATED_METHODS},
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
+
     rows = []
     for method, k in variants(args.ks, args.methods, bnb=not args.no_bnb):
         t0 = time.perf_counter()
@@ -374,32 +396,15 @@ def main(argv=None) -> None:
             + ", ".join(f"{key} {v:.4g}" for key, v in row.items() if isinstance(v, float))
             + f" ({time.perf_counter() - t0:.0f} s)"
         )
-    earlier = {}
-    if args.merge:  # the earlier rows, with those of the (method, k) pairs run now replaced
-        earlier = json.loads(Path(args.merge).read_text())
-        done = {(r["method"], r["k"]) for r in rows}
-        rows = [r for r in earlier["rows"] if (r["method"], r["k"]) not in done] + rows
+        if args.json:  # after every row: a long run that is stopped keeps what it measured
+            write_json(merged(rows))
+    rows = merged(rows)
     say("")
     say(markdown(rows, refs))
     defaults = {k: F.DEFAULT_CODEBOOK[k] for k in sorted({r["k"] for r in rows if r["k"] in F.DEFAULT_CODEBOOK})}
     say(f"\ndefault = codebook {defaults} with scale_method='mse'")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "device": str(device),
-                    "quantize_elements_per_s": earlier.get("quantize_elements_per_s", speed),
-                    "references": refs or earlier.get("references", {}),
-                    "default_codebook": defaults,
-                    "calibration": {
-                        "text": "bitsandbytes_kbit/data/calibration.txt",
-                        "arguments": CALIBRATED_METHODS,
-                    },
-                    "rows": rows,
-                },
-                indent=1,
-            )
-        )
+        write_json(rows)
         say(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.ks, args.plot, str(device))
