@@ -43,8 +43,8 @@ KBIT_METHODS = {  # name -> (codebook, scale_method)
     "lloyd+mse": ("lloyd", "mse"),
     "lloyd-zero+mse": ("lloyd-zero", "mse"),
 }
-CALIBRATED_METHODS = {  # name -> (num_samples, seq_len) of calibration windows, per model
-    "gptq": {"MiniLM": (64, 128), "SmolLM2": (32, 256)},
+CALIBRATED_METHODS = {  # name -> calibrate_model's arguments per model (windows of the shipped calibration text)
+    "gptq": {"MiniLM": {"num_samples": 64, "seq_len": 128}, "SmolLM2": {"num_samples": 16, "seq_len": 256}},
 }
 BNB_METHODS = ("bnb nf4", "bnb fp4", "bnb int8")
 # 32 layers x (q, o: 4096 x 4096; k, v: 1024 x 4096; gate, up, down: 14336 x 4096)
@@ -122,10 +122,9 @@ def calibrate_linears(model: nn.Module, originals: dict, tok, method: str, k: in
 
     for name, W in originals.items():
         model.get_submodule(name).weight.data.copy_(W)
-    num_samples, seq_len = CALIBRATED_METHODS[method][model_name]
     t0 = time.perf_counter()
     result = calibrate_model(
-        model, k, tokenizer=tok, num_samples=num_samples, seq_len=seq_len, modules=list(originals)
+        model, k, tokenizer=tok, modules=list(originals), **CALIBRATED_METHODS[method][model_name]
     )
     seconds = time.perf_counter() - t0
     for name, W in originals.items():  # outside the repeated blocks (MiniLM's pooler): data-free
@@ -359,6 +358,28 @@ def main(argv=None) -> None:
         models.append(m)
         if isinstance(m, SmolLM2):
             refs[ref_name] = m.ref
+    earlier = json.loads(Path(args.merge).read_text()) if args.merge else {}
+
+    def merged(rows: list[dict]) -> list[dict]:  # the earlier rows, with those of the pairs run now replaced
+        done = {(r["method"], r["k"]) for r in rows}
+        return [r for r in earlier.get("rows", []) if (r["method"], r["k"]) not in done] + rows
+
+    def write_json(rows: list[dict]) -> None:
+        defaults = {k: F.DEFAULT_CODEBOOK[k] for k in sorted({r["k"] for r in rows if r["k"] in F.DEFAULT_CODEBOOK})}
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": str(device),
+                    "quantize_elements_per_s": earlier.get("quantize_elements_per_s", speed),
+                    "references": refs or earlier.get("references", {}),
+                    "default_codebook": defaults,
+                    "calibration": {"text": "bitsandbytes_kbit/data/calibration.txt", "arguments": CALIBRATED_METHODS},
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
+
     rows = []
     for method, k in variants(args.ks, args.methods, bnb=not args.no_bnb):
         t0 = time.perf_counter()
@@ -375,32 +396,15 @@ def main(argv=None) -> None:
             + ", ".join(f"{key} {v:.4g}" for key, v in row.items() if isinstance(v, float))
             + f" ({time.perf_counter() - t0:.0f} s)"
         )
-    if args.merge:  # the earlier rows, with those of the (method, k) pairs run now replaced
-        done = {(r["method"], r["k"]) for r in rows}
-        rows = [
-            r for r in json.loads(Path(args.merge).read_text())["rows"] if (r["method"], r["k"]) not in done
-        ] + rows
+        if args.json:  # after every row: a long run that is stopped keeps what it measured
+            write_json(merged(rows))
+    rows = merged(rows)
     say("")
     say(markdown(rows, refs))
-    defaults = {k: F.DEFAULT_CODEBOOK[k] for k in args.ks}
+    defaults = {k: F.DEFAULT_CODEBOOK[k] for k in sorted({r["k"] for r in rows if r["k"] in F.DEFAULT_CODEBOOK})}
     say(f"\ndefault = codebook {defaults} with scale_method='mse'")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "device": str(device),
-                    "quantize_elements_per_s": speed,
-                    "references": refs,
-                    "default_codebook": defaults,
-                    "calibration": {
-                        "text": "bitsandbytes_kbit/data/calibration.txt",
-                        "windows (num_samples, seq_len)": CALIBRATED_METHODS,
-                    },
-                    "rows": rows,
-                },
-                indent=1,
-            )
-        )
+        write_json(rows)
         say(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.ks, args.plot, str(device))

@@ -11,6 +11,7 @@ import warnings
 
 from . import (
     _ops,  # noqa: F401  (op definitions first)
+    calibration,
     functional,
     integrations,
     nn,
@@ -18,6 +19,7 @@ from . import (
 from .backends.cpu import ops as _cpu_ops  # noqa: F401
 from .backends.cuda import ops as _cuda_ops  # noqa: F401
 from .backends.default import ops as _default_ops  # noqa: F401
+from .calibration import calibrate_model, quantize_kbit_gptq
 from .functional import (  # noqa: F401  (re-exported)
     create_codebook,
     create_normal_float_codebook,
@@ -33,6 +35,7 @@ from .nn import KBIT_FORMAT_VERSION, LinearKbit, ParamsKbit  # noqa: F401  (re-e
 __version__ = "0.1.0"
 
 __all__ = ["functional", *functional.__all__, "nn", "integrations", *nn.__all__, "BitsAndBytesKbitConfig"]  # noqa: PLE0604
+__all__ += ["calibrate_model", "calibration", "quantize_kbit_gptq"]
 
 
 def __getattr__(name: str):

@@ -96,7 +96,7 @@ def quantize_kbit_gptq(
     k: int = 4,
     codebook: None | str | torch.Tensor = None,
     absmax_format: str = "e4m4",
-    damp: float = 0.01,
+    damp: float = 0.1,
     act_order: bool = False,
     batch_columns: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,7 +286,7 @@ def calibrate_model(
     seq_len: int = 512,
     codebook: None | str | torch.Tensor = None,
     absmax_format: str = "e4m4",
-    damp: float = 0.01,
+    damp: float = 0.1,
     act_order: bool = True,
     modules: list[str] | None = None,
     progress: bool = True,

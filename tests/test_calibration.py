@@ -117,7 +117,7 @@ def test_codebook_tensor_and_zero_rows():
     X[:, 5] = 0.0  # a never-active input
     H = X.t() @ X
     levels = torch.tensor([0.5, -1.0, 0.0, 1.0, -0.25])
-    packed, absmax, cb = quantize_kbit_gptq(W, H, 3, codebook=levels, act_order=True)
+    packed, absmax, cb = quantize_kbit_gptq(W, H, 3, codebook=levels, act_order=True, damp=0.01)
     assert torch.equal(cb, torch.sort(levels).values)
     Q = dequant(packed, absmax, cb, 3, N, K)
     assert torch.equal(Q[3], torch.zeros(K))

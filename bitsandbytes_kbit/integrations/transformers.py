@@ -137,7 +137,7 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
         bnb_kbit_calibration_tokenizer: Any = None,
         bnb_kbit_calibration_samples: int = 32,
         bnb_kbit_calibration_seq_len: int = 512,
-        bnb_kbit_calibration_damp: float = 0.01,
+        bnb_kbit_calibration_damp: float = 0.1,
         bnb_kbit_calibration_act_order: bool = True,
         **kwargs: Any,
     ):
