@@ -72,10 +72,13 @@ class ExportError(RuntimeError):
 
 
 def rename_python(text: str) -> str:
-    """This package's names as upstream's: bitsandbytes_kbit -> bitsandbytes, _format -> _kbit_format."""
+    """This package's names as upstream's: bitsandbytes_kbit -> bitsandbytes, _format -> _kbit_format. The string
+    "bitsandbytes_kbit" alone is the transformers quantization method's name and stays."""
+    keep = "\0quant-method\0"
+    text = text.replace(f'"{PKG}"', keep)
     text = re.sub(r"(from \.+)_format import", r"\1_kbit_format import", text)
     text = re.sub(rf"\b{PKG}\._format\b", "bitsandbytes._kbit_format", text)
-    return re.sub(rf"\b{PKG}\b", "bitsandbytes", text)
+    return re.sub(rf"\b{PKG}\b", "bitsandbytes", text).replace(keep, f'"{PKG}"')
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:
@@ -218,7 +221,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Tests of the extension glue (the entry point that attaches this package to bitsandbytes): nothing to test upstream.
-EXTENSION_TESTS = {"test_bitsandbytes_entry_point_attaches_the_api"}
+EXTENSION_TESTS = {
+    "test_bitsandbytes_entry_point_attaches_the_api",
+    "test_loading_without_the_extension_fails_loudly",
+    "test_subprocess_without_extension_fails_loudly",
+}
 
 
 def drop_functions(text: str, names: set[str]) -> str:
