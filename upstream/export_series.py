@@ -16,7 +16,8 @@ How the sources move:
 - C++: the quantize / dequantize kernels go to the end of ``csrc/kernels.cu`` / ``kernels.cuh``, the host launchers
   to ``ops.cu`` / ``ops.cuh``, the ``extern "C"`` wrappers to ``pythonInterface.cpp`` (CUDA builds only); the GEMM
   family keeps files of its own, added to upstream's CMake source list with an sm_90a target for its Hopper kernels.
-- ruff (upstream's settings) sorts the imports and formats the Python files the series writes.
+- ruff and clang-format (upstream's settings) format the files the series writes; the script needs clang-format
+  (``pip install 'clang-format>=20,<21'``: upstream's pre-commit pins 20.1).
 """
 
 from __future__ import annotations
@@ -493,7 +494,31 @@ def ruff(repo: Path, files: list[str]) -> None:
             raise ExportError(f"ruff {args[0]} failed:\n{result.stdout}{result.stderr}")
 
 
+def find_clang_format() -> str | None:
+    """clang-format on PATH or beside this Python (the pip wheel); upstream pins 20.1 in .pre-commit-config.yaml."""
+    beside = Path(sys.executable).parent / "clang-format"
+    return shutil.which("clang-format") or (str(beside) if beside.is_file() else None)
+
+
+def clang_format(repo: Path, files: list[str]) -> None:
+    """Format the series' C++ files under upstream's .clang-format (upstream's files are already clean)."""
+    if not files:
+        return
+    exe = find_clang_format()
+    for _ in range(8):  # each pass can still move a macro's trailing backslashes (4 passes here): run to a fixed point
+        before = [(repo / f).read_bytes() for f in files]
+        cmd = [exe, "-i", "--style=file", *files]
+        result = subprocess.run(cmd, cwd=repo, check=False, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ExportError(f"clang-format failed:\n{result.stdout}{result.stderr}")
+        if before == [(repo / f).read_bytes() for f in files]:
+            return
+    raise ExportError(f"clang-format does not reach a fixed point on {files}")
+
+
 def export(upstream: Path, out: Path) -> list[Path]:
+    if find_clang_format() is None:
+        raise ExportError("clang-format was not found (pip install 'clang-format>=20,<21', upstream's version)")
     upstream = upstream.resolve()
     if not (upstream / ".git").exists():
         raise ExportError(f"--upstream={upstream} is not a git checkout (no .git)")
@@ -516,6 +541,7 @@ def export(upstream: Path, out: Path) -> list[Path]:
             for edit in step.edits:
                 written += edit(work)
             ruff(work, [f for f in written if f.endswith(".py")])
+            clang_format(work, [f for f in written if f.startswith("csrc/")])
             git(work, "add", "--", *written)
             git(work, "commit", "--quiet", "--no-verify", "-m", f"{step.subject}\n\n{step.body}\n")
         git(work, "format-patch", "--quiet", "--zero-commit", "--no-signature", "-o", str(out), base)
