@@ -75,7 +75,8 @@ def test_series_applies_in_order_with_the_planned_shape(series):
     assert 'extern "C"' in added("csrc/pythonInterface.cpp").split("k-bit blockwise quantization")[-1]
     assert (patched / "csrc/kbit_gemm.cu").is_file()
     cmake = added("CMakeLists.txt")
-    assert "csrc/kbit_gemm.cu" in cmake and "code=sm_90a" in cmake and "KBIT_WGMMA_BUILT" in cmake
+    assert "add_library(bitsandbytes_kbit_gemm OBJECT csrc/kbit_gemm.cu)" in cmake and "KBIT_WGMMA_BUILT" in cmake
+    assert "$<TARGET_OBJECTS:bitsandbytes_kbit_gemm>" in cmake
     # the Python layers under upstream's names, without the extension glue
     assert '"bitsandbytes::quantize_kbit"' in added("bitsandbytes/_ops.py")
     assert "def quantize_kbit(" in added("bitsandbytes/functional.py")

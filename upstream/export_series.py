@@ -15,7 +15,8 @@ How the sources move:
   project defines must not collide with upstream's (checked), and ``__all__`` is not carried over.
 - C++: the quantize / dequantize kernels go to the end of ``csrc/kernels.cu`` / ``kernels.cuh``, the host launchers
   to ``ops.cu`` / ``ops.cuh``, the ``extern "C"`` wrappers to ``pythonInterface.cpp`` (CUDA builds only); the GEMM
-  family keeps files of its own, added to upstream's CMake source list with an sm_90a target for its Hopper kernels.
+  family keeps files of its own, built by upstream's CMake as an object library with sm_90a code for its Hopper
+  kernels.
 - ruff and clang-format (upstream's settings) format the files the series writes; the script needs clang-format
   (``pip install 'clang-format>=20,<21'``: upstream's pre-commit pins 20.1).
 """
@@ -277,22 +278,34 @@ def cuda_only(text: str) -> str:
     )
 
 
-def patch_cmake(text: str, gemm_sources: list[str]) -> str:
-    anchor = '    string(APPEND BNB_OUTPUT_NAME "_cuda${CUDA_VERSION_SHORT}")'
-    if anchor not in text:
-        raise ExportError("CMakeLists.txt: the CUDA branch's output-name line was not found")
+def patch_cmake(text: str) -> str:
+    """Build csrc/kbit_gemm.cu as an object library of the CUDA build (see the comment it writes)."""
+    anchor = "            CUDA_SEPARABLE_COMPILATION ON\n    )\nendif()\n"
+    if text.count(anchor) != 1:
+        raise ExportError("CMakeLists.txt: the CUDA target's CUDA_SEPARABLE_COMPILATION block was not found once")
     block = (
-        "    # k-bit GEMM: every template is instantiated in the file that launches it. Its Hopper kernels (wgmma, TMA)\n"
-        "    # need sm_90a code, which the digits-only architecture list cannot ask for: when 90 is selected the file\n"
-        "    # also gets an sm_90a target, and the host dispatcher offers those kernels.\n"
-        f"    list(APPEND SRC_FILES {' '.join(gemm_sources)})\n"
+        "\n# k-bit GEMM: an object library of its own. Its Hopper kernels (wgmma, TMA) need sm_90a code, which the\n"
+        "# digits-only COMPUTE_CAPABILITY cannot ask for, so 90 becomes 90a for this file; it builds without relocatable\n"
+        "# device code (every template is launched from this file), so the device link of the main target, which knows\n"
+        "# only sm_90, cannot drop its sm_90a images. KBIT_WGMMA_BUILT lets the dispatcher offer those kernels.\n"
+        "if(BUILD_CUDA)\n"
+        "    add_library(bitsandbytes_kbit_gemm OBJECT csrc/kbit_gemm.cu)\n"
+        "    set(_kbit_gemm_archs ${CMAKE_CUDA_ARCHITECTURES})\n"
+        '    list(TRANSFORM _kbit_gemm_archs REPLACE "^90$" "90a")\n'
+        '    list(TRANSFORM _kbit_gemm_archs REPLACE "^90-real$" "90a-real")\n'
+        "    set_target_properties(bitsandbytes_kbit_gemm PROPERTIES\n"
+        '        CUDA_ARCHITECTURES "${_kbit_gemm_archs}"\n'
+        "        CUDA_SEPARABLE_COMPILATION OFF\n"
+        "        POSITION_INDEPENDENT_CODE ON)\n"
+        "    target_compile_features(bitsandbytes_kbit_gemm PRIVATE cxx_std_17)\n"
+        "    target_include_directories(bitsandbytes_kbit_gemm PRIVATE csrc ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})\n"
         "    if(90 IN_LIST _cc_all)\n"
-        "        set_source_files_properties(csrc/kbit_gemm.cu PROPERTIES\n"
-        '            COMPILE_OPTIONS "--generate-code=arch=compute_90a,code=sm_90a"\n'
-        "            COMPILE_DEFINITIONS KBIT_WGMMA_BUILT=1)\n"
-        "    endif()\n\n"
+        "        target_compile_definitions(bitsandbytes_kbit_gemm PRIVATE KBIT_WGMMA_BUILT=1)\n"
+        "    endif()\n"
+        "    target_sources(bitsandbytes PRIVATE $<TARGET_OBJECTS:bitsandbytes_kbit_gemm>)\n"
+        "endif()\n"
     )
-    return text.replace(anchor, block + anchor, 1)
+    return text.replace(anchor, anchor + block, 1)
 
 
 def port_cxx(text: str) -> str:
@@ -371,8 +384,7 @@ def nn_init_edit(repo: Path):
 
 
 def cmake_edit(repo: Path):
-    gemm = ["csrc/kbit_gemm.cu"]
-    return [write(repo, "CMakeLists.txt", patch_cmake((repo / "CMakeLists.txt").read_text(), gemm))]
+    return [write(repo, "CMakeLists.txt", patch_cmake((repo / "CMakeLists.txt").read_text()))]
 
 
 GEMM_FILES = [
