@@ -19,8 +19,7 @@ import torch
 import bitsandbytes_kbit.functional as F
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings
-from hypothesis import strategies as st
+given, settings, st = hypothesis.given, hypothesis.settings, hypothesis.strategies
 
 
 def e4m4_decode_np(codes: np.ndarray) -> np.ndarray:

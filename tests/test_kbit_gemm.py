@@ -73,7 +73,7 @@ def test_repack_round_trip_bit_exact(k, N, K_dim, absmax_dtype):
 def test_unrepack_rejects_wrong_sizes():
     words, n_abs = tiled_layout.tiled_sizes(3, 40, 96)
     packed, absmax = torch.zeros(words, dtype=torch.int32), torch.zeros(n_abs, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="B_packed has .* expected"):
+    with pytest.raises(ValueError, match=r"B_packed has .* expected"):
         F.unrepack_kbit(packed[:-1], absmax, 3, 40, 96)
     with pytest.raises(ValueError, match="B_absmax"):
         F.unrepack_kbit(packed, absmax[:-1], 3, 40, 96)
@@ -131,7 +131,7 @@ def test_gemm_bad_input():
     A = torch.randn(3, K_dim).half()
     with pytest.raises(RuntimeError, match=r"A has 95 features .* K_dim=96"):
         F.kbit_gemm(torch.randn(3, 95).half(), Bp, Ba, cb, k, N, K_dim)
-    with pytest.raises(RuntimeError, match="A has dtype torch.float32"):
+    with pytest.raises(RuntimeError, match=r"A has dtype torch.float32"):
         F.kbit_gemm(A.float(), Bp, Ba, cb, k, N, K_dim)
     with pytest.raises(RuntimeError, match="not the flat quantize_kbit words"):
         F.kbit_gemm(A, packed, Ba, cb, k, N, K_dim)
@@ -637,7 +637,7 @@ def test_cuda_gemm_opcheck_compile_and_errors():
     torch.testing.assert_close(compiled(A), f(A))
     with pytest.raises(RuntimeError, match="one device"):
         F.kbit_gemm(A.cpu(), Bp, Ba, cb, k, N, K_dim)
-    with pytest.raises(RuntimeError, match="A has dtype torch.float32"):
+    with pytest.raises(RuntimeError, match=r"A has dtype torch.float32"):
         F.kbit_gemm(A.float(), Bp, Ba, cb, k, N, K_dim)
     # CPU tensors reach the default backend
     C_cpu = F.kbit_gemm(A.cpu(), Bp.cpu(), Ba.cpu(), cb.cpu(), k, N, K_dim)

@@ -289,7 +289,7 @@ def test_bad_input_messages():
         F.quantize_kbit(torch.tensor([1.0, float("inf")]), k=4)
     with pytest.raises(ValueError, match="exceeds the largest e4m4"):
         F.quantize_kbit(torch.tensor([40.0]), k=4)
-    with pytest.raises(RuntimeError, match="A has dtype torch.int8"):
+    with pytest.raises(RuntimeError, match=r"A has dtype torch.int8"):
         F.quantize_kbit(torch.ones(4, dtype=torch.int8), k=4)
     with pytest.raises(ValueError, match="absmax_format='e5m2'"):
         F.quantize_kbit(A, k=4, absmax_format="e5m2")
@@ -302,11 +302,11 @@ def test_bad_input_messages():
         F.dequantize_kbit(packed, absmax, cb, 3, 100)
     with pytest.raises(RuntimeError, match=r"absmax has 3 entries; expected ceil\(n/32\) = 4"):
         F.dequantize_kbit(packed, absmax[:3], cb, 4, 100)
-    with pytest.raises(RuntimeError, match="packed has dtype torch.int64"):
+    with pytest.raises(RuntimeError, match=r"packed has dtype torch.int64"):
         F.dequantize_kbit(packed.long(), absmax, cb, 4, 100)
-    with pytest.raises(RuntimeError, match="codebook has dtype torch.float64"):
+    with pytest.raises(RuntimeError, match=r"codebook has dtype torch.float64"):
         F.dequantize_kbit(packed, absmax, cb.double(), 4, 100)
-    with pytest.raises(RuntimeError, match="dtype=torch.int32 is not supported"):
+    with pytest.raises(RuntimeError, match=r"dtype=torch.int32 is not supported"):
         F.dequantize_kbit(packed, absmax, cb, 4, 100, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="out has shape"):
         F.dequantize_kbit(packed, absmax, cb, 4, 100, out=torch.empty(99, dtype=torch.float16))

@@ -232,7 +232,7 @@ def test_compute_dtype_and_output_dtype():
     assert y.dtype == torch.float32
     # What the module computes: x rounded to bfloat16, float32 accumulation, rounded to bfloat16.
     assert_close_to_reference(y.bfloat16(), module, x.bfloat16())
-    with pytest.raises(RuntimeError, match="compute_dtype=torch.int8"):
+    with pytest.raises(RuntimeError, match=r"compute_dtype=torch.int8"):
         LinearKbit(64, 32, compute_dtype=torch.int8)
     with pytest.raises(RuntimeError, match="k=6 is not supported"):
         LinearKbit(64, 32, k=6)

@@ -108,7 +108,8 @@ def entry_point_names() -> list[str]:
             for a in (_GEMM_ABSMAX_NAME if gemm else _ABSMAX_NAME).values():
                 for k in SUPPORTED_K:
                     names.add(template.format(dtype=d, absmax=a, k=k))
-    return sorted(names) + [
+    return [
+        *sorted(names),
         "ckbit_gemm_workspace_bytes",
         "ckbit_gemm_num_configs",
         "ckbit_gemm_config_available",
