@@ -86,7 +86,8 @@ def test_series_applies_in_order_with_the_planned_shape(series):
     for path in changed:
         if path.endswith(".py"):
             text = added(path).replace('"bitsandbytes_kbit"', "")  # the transformers quant_method name stays
-            assert "bitsandbytes_kbit" not in text, path
+            # the CPU kernels' own library (libbitsandbytes_kbit_cpu.so) keeps its name until upstream's CPU build has them
+            assert "bitsandbytes_kbit" not in text.replace("libbitsandbytes_kbit_cpu", ""), path
             assert "_attach_to_bitsandbytes" not in text and "_load_as_bitsandbytes_backend" not in text, path
 
 

@@ -74,12 +74,15 @@ class ExportError(RuntimeError):
 
 
 def rename_python(text: str) -> str:
-    """This package's names as upstream's: bitsandbytes_kbit -> bitsandbytes, _format -> _kbit_format. The string
+    """This package's names as upstream's: bitsandbytes_kbit -> bitsandbytes, _format -> _kbit_format, _cpu ->
+    _kbit_cpu. The string
     "bitsandbytes_kbit" alone is the transformers quantization method's name and stays."""
     keep = "\0quant-method\0"
     text = text.replace(f'"{PKG}"', keep)
     text = re.sub(r"(from \.+)_format import", r"\1_kbit_format import", text)
     text = re.sub(rf"\b{PKG}\._format\b", "bitsandbytes._kbit_format", text)
+    text = re.sub(r"(from \.+) import _cpu\b", r"\1 import _kbit_cpu as _cpu", text)
+    text = re.sub(rf"\b{PKG}\._cpu\b", "bitsandbytes._kbit_cpu", text)
     return re.sub(rf"\b{PKG}\b", "bitsandbytes", text).replace(keep, f'"{PKG}"')
 
 
@@ -448,11 +451,16 @@ def series() -> list[Step]:
         Step(
             "Add LinearKbit",
             "An nn.Linear replacement holding a k-bit weight in the GEMM's layout; state-dict format, autograd\n"
-            "for adapters, dequantize on CPU.",
+            "for adapters; on the CPU, native kernels (csrc/cpu/kbit_cpu.cpp, not yet in upstream's CPU build:\n"
+            "without the library LinearKbit runs the PyTorch path).",
             [
+                new_py(f"{PKG}/_cpu.py", "bitsandbytes/_kbit_cpu.py"),
+                merge_py(f"{PKG}/backends/cpu/ops.py", "bitsandbytes/backends/cpu/ops.py"),
+                copy_file("csrc/cpu/kbit_cpu.cpp", "csrc/cpu/kbit_cpu.cpp", port_cxx),
                 merge_py(f"{PKG}/nn/modules.py", "bitsandbytes/nn/modules.py"),
                 nn_init_edit,
                 new_py("tests/test_linear_kbit.py", "tests/test_linear_kbit.py", port_test),
+                new_py("tests/test_cpu_kernels.py", "tests/test_kbit_cpu_kernels.py", port_test),
             ],
         ),
         Step(
