@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .cextension import find_library
+
 LIBRARY_NAME = "libbitsandbytes_kbit_cpu.so"
 ISA_NAMES = ("portable", "avx2", "avx512")
 # At most this many input rows go through the fused kernel; more use the blocked dequantize + matmul,
@@ -34,19 +36,7 @@ _IO_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def library_path() -> Path:
-    beside = Path(__file__).resolve().parent / LIBRARY_NAME
-    if beside.is_file():
-        return beside
-    # A source checkout imported while the built wheel is installed: the installed library.
-    try:
-        from importlib.metadata import PackageNotFoundError, distribution
-
-        installed = Path(distribution("bitsandbytes-kbit").locate_file(f"bitsandbytes_kbit/{LIBRARY_NAME}"))
-        if installed.is_file():
-            return installed
-    except (ImportError, PackageNotFoundError):
-        pass
-    return beside
+    return find_library(LIBRARY_NAME)
 
 
 @functools.cache

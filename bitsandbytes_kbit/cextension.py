@@ -21,24 +21,27 @@ class KbitLibraryMissingError(RuntimeError):
     pass
 
 
-def library_path() -> Path:
-    override = os.environ.get(LIBRARY_ENV)
-    if override:
-        return Path(override)
-    beside = Path(__file__).resolve().parent / LIBRARY_NAME
+def find_library(name: str) -> Path:
+    """The package's native library ``name``: beside this file, or, when imported from a source checkout
+    (python -m ... in the repository root) while the built wheel is installed, the installed distribution's.
+    The path beside this file when neither exists."""
+    beside = Path(__file__).resolve().parent / name
     if beside.is_file():
         return beside
-    # Imported from a source checkout (python -m ... in the repository root) while the built wheel
-    # is installed: use the installed distribution's library.
     try:
         from importlib.metadata import PackageNotFoundError, distribution
 
-        installed = Path(distribution("bitsandbytes-kbit").locate_file(f"bitsandbytes_kbit/{LIBRARY_NAME}"))
+        installed = Path(distribution("bitsandbytes-kbit").locate_file(f"bitsandbytes_kbit/{name}"))
         if installed.is_file():
             return installed
     except (ImportError, PackageNotFoundError):
         pass
     return beside
+
+
+def library_path() -> Path:
+    override = os.environ.get(LIBRARY_ENV)
+    return Path(override) if override else find_library(LIBRARY_NAME)
 
 
 @functools.cache

@@ -163,57 +163,30 @@ def _(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype
     return _quantize(A, codebook, k, absmax_dtype)
 
 
-def _quantize(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype):
-    """The kernel call of quantize_kbit on checked arguments (no host sync)."""
-    fn = _entry(
-        "cquantize_kbit_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[A.dtype], absmax=_ABSMAX_NAME[absmax_dtype], k=k
-    )
+def _quantize_with(template: str, A: torch.Tensor, codebook, k: int, absmax_dtype: torch.dtype, *rule_args):
+    """One quantize entry (``template``: the absmax rule's or the mse rule's) on checked arguments, no host sync;
+    ``rule_args`` go between n and the stream."""
+    fn = _entry(template, dtype=_DTYPE_NAME[A.dtype], absmax=_ABSMAX_NAME[absmax_dtype], k=k)
     A = A.contiguous()
     codebook = codebook.contiguous()
     nb = num_blocks(A.numel())
     packed = torch.empty(nb * k, dtype=torch.int32, device=A.device)
     absmax = torch.empty(nb, dtype=absmax_dtype, device=A.device)
     with torch.cuda.device(A.device):
-        _call(
-            "quantize_kbit",
-            fn,
-            _ptr(A),
-            _ptr(codebook),
-            codebook.numel(),
-            _ptr(packed),
-            _ptr(absmax),
-            A.numel(),
-            _stream(A),
-        )
+        args = (_ptr(A), _ptr(codebook), codebook.numel(), _ptr(packed), _ptr(absmax), A.numel(), *rule_args)
+        _call("quantize_kbit", fn, *args, _stream(A))
     return packed, absmax
+
+
+def _quantize(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype):
+    """The kernel call of quantize_kbit (the absmax rule) on checked arguments (no host sync)."""
+    return _quantize_with("cquantize_kbit_{dtype}_{absmax}_k{k}", A, codebook, k, absmax_dtype)
 
 
 def _quantize_mse(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype, below: int, above: int):
     """The error-minimizing quantize (scale_search.quantize_blocks_mse's rule) in one kernel, on checked arguments
     (no host sync): ``below`` / ``above`` candidate scales around the rounded absmax."""
-    fn = _entry(
-        "cquantize_kbit_mse_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[A.dtype], absmax=_ABSMAX_NAME[absmax_dtype], k=k
-    )
-    A = A.contiguous()
-    codebook = codebook.contiguous()
-    nb = num_blocks(A.numel())
-    packed = torch.empty(nb * k, dtype=torch.int32, device=A.device)
-    absmax = torch.empty(nb, dtype=absmax_dtype, device=A.device)
-    with torch.cuda.device(A.device):
-        _call(
-            "quantize_kbit",
-            fn,
-            _ptr(A),
-            _ptr(codebook),
-            codebook.numel(),
-            _ptr(packed),
-            _ptr(absmax),
-            A.numel(),
-            below,
-            above,
-            _stream(A),
-        )
-    return packed, absmax
+    return _quantize_with("cquantize_kbit_mse_{dtype}_{absmax}_k{k}", A, codebook, k, absmax_dtype, below, above)
 
 
 def _dequantize(packed, absmax, codebook, k, n, dtype, out) -> None:
