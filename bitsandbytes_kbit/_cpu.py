@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 
-from .cextension import find_library
-
 LIBRARY_NAME = "libbitsandbytes_kbit_cpu.so"
 ISA_NAMES = ("portable", "avx2", "avx512")
 # At most this many input rows go through the fused kernel; more use the blocked dequantize + matmul,
@@ -33,6 +31,24 @@ TILE_ELEMENTS = 1 << 20
 
 _ABSMAX_TYPES = {torch.uint8: 0, torch.float16: 1, torch.float32: 2}
 _IO_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def find_library(name: str) -> Path:
+    """The package's native library ``name``: beside this file, or, when imported from a source checkout
+    (python -m ... in the repository root) while the built wheel is installed, the installed distribution's.
+    The path beside this file when neither exists."""
+    beside = Path(__file__).resolve().parent / name
+    if beside.is_file():
+        return beside
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        installed = Path(distribution("bitsandbytes-kbit").locate_file(f"bitsandbytes_kbit/{name}"))
+        if installed.is_file():
+            return installed
+    except (ImportError, PackageNotFoundError):
+        pass
+    return beside
 
 
 def library_path() -> Path:

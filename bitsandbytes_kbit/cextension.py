@@ -12,6 +12,8 @@ import functools
 import os
 from pathlib import Path
 
+from ._cpu import find_library
+
 LIBRARY_NAME = "libbitsandbytes_kbit_cuda.so"
 # For development builds outside the package folder (a CMake build tree): a path to the .so.
 LIBRARY_ENV = "BNB_KBIT_LIBRARY"
@@ -19,24 +21,6 @@ LIBRARY_ENV = "BNB_KBIT_LIBRARY"
 
 class KbitLibraryMissingError(RuntimeError):
     pass
-
-
-def find_library(name: str) -> Path:
-    """The package's native library ``name``: beside this file, or, when imported from a source checkout
-    (python -m ... in the repository root) while the built wheel is installed, the installed distribution's.
-    The path beside this file when neither exists."""
-    beside = Path(__file__).resolve().parent / name
-    if beside.is_file():
-        return beside
-    try:
-        from importlib.metadata import PackageNotFoundError, distribution
-
-        installed = Path(distribution("bitsandbytes-kbit").locate_file(f"bitsandbytes_kbit/{name}"))
-        if installed.is_file():
-            return installed
-    except (ImportError, PackageNotFoundError):
-        pass
-    return beside
 
 
 def library_path() -> Path:
