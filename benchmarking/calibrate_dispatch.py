@@ -8,13 +8,18 @@ and fits the coefficients:
     python calibrate_dispatch.py sweep --json sweep.json          # on the GPU: every config forced, model shapes
     python calibrate_dispatch.py fit --json sweep.json --out ../csrc/kbit_dispatch_coef.inc   # anywhere
 
+    python calibrate_dispatch.py sweep --json new.json --configs 7,14 --min-m 24 --shapes-from old.json
+    python calibrate_dispatch.py fit --json old.json --json new.json --merged merged.json --out ...
+
 `sweep` times, for a spread of the model suite's (N, K) (benchmarking/model_shapes.py), each M of a grid and each k,
 every config this GPU runs (forced through the test hook), the staged path (M >= 64) and cuBLAS fp16, with CUDA
 graphs and weight copies rotated past the L2 (timing.py). `fit` solves, per config and k, non-negative least squares
 on relative error, reports how far its picks are from the fastest measured config with each shape held out of the
 fit (leave-one-shape-out: the regret on shapes the fit never saw), and writes the coefficient table. Configs that never
 beat every other candidate by 3% on the sweep are left without coefficients, so the dispatcher never picks them. Then
-rebuild the library. A k missing from the sweep takes the mean of its neighbours' coefficients.
+rebuild the library. A k missing from the sweep takes the mean of its neighbours' coefficients. A partial sweep
+(--configs, --min-m, --shapes-from: re-measuring configs that changed, or a new one) is fitted together with the full
+one it refines: for each cell (N, K, k, M), a later --json's times replace or add to the earlier ones path by path.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PER_WARP_CONFIGS = (0, 1)  # measured up to PER_WARP_MAX_M tokens
 PER_WARP_MAX_M = 64
-LARGE_M_CONFIGS = (6, 7)  # the only fused configs measured above SPLIT_K_MAX_M
+LARGE_M_CONFIGS = (6, 7, 14)  # the only fused configs measured above SPLIT_K_MAX_M
 SPLIT_K_MAX_M = 256
 STAGED_MIN_M = 64
 WIN_MARGIN = 1.03
@@ -53,10 +58,16 @@ def sweep(args) -> None:
     ms = [int(x) for x in args.ms.split(",")]
     part = tuple(int(x) for x in args.part.split("/")) if args.part else None
     shapes = select_model_shapes(sample=0 if part else args.sample, part=part)
+    if args.shapes_from:  # the (N, K) of an earlier sweep, so that its cells can be refined
+        old = {(r["N"], r["K"]) for r in json.loads(Path(args.shapes_from).read_text())["rows"]}
+        shapes = {f"{N}x{K}": (N, K, None) for N, K in sorted(old)}
+    ms = [m for m in ms if m >= args.min_m]
     bnb = None
     if args.nf4:
         import bitsandbytes as bnb
     configs = [c for c in range(cops.gemm_num_configs()) if cops.gemm_config_available(c)]
+    if args.configs is not None:
+        configs = [c for c in configs if c in {int(x) for x in args.configs.split(",") if x}]
     print(f"configs {configs}; {len(shapes)} shapes x {len(ms)} M x k {ks}", flush=True)
     dtype, rows, t0 = torch.float16, [], time.time()
     for label, (N, K, _) in shapes.items():
@@ -96,7 +107,8 @@ def sweep(args) -> None:
                         len(fp16),
                     )
                 }
-                paths["auto"] = path(which="auto")
+                if not args.configs:
+                    paths["auto"] = path(which="auto")
                 if nf4:
                     paths["nf4"] = (
                         lambda i, As=As, ac=ac, nf4=nf4: bnb.matmul_4bit(
@@ -104,7 +116,7 @@ def sweep(args) -> None:
                         ),
                         max(len(nf4), ac),
                     )
-                if M >= STAGED_MIN_M:
+                if M >= STAGED_MIN_M and not args.configs:
                     paths["staged"] = path(which="staged")
                 for c in configs:
                     if (c in PER_WARP_CONFIGS and M > PER_WARP_MAX_M) or (
@@ -114,9 +126,9 @@ def sweep(args) -> None:
                     paths[f"c{c}"] = path(config=c)
                 us = median_us_graphs_interleaved(paths, rounds=2, iters=3)
                 rows.append({"N": N, "K": K, "k": k, "M": M, "plan": cops.gemm_plan(M, N, K, k), "us": us})
-                best = min((v, name) for name, v in us.items() if name not in ("fp16", "nf4"))
+                best = min((v, name) for name, v in us.items() if name not in ("fp16", "nf4", "auto"))
                 print(
-                    f"{label[:30]:30} k{k} M={M:<5} cuBLAS {us['fp16']:8.1f} auto {us['auto']:8.1f} "
+                    f"{label[:30]:30} k{k} M={M:<5} cuBLAS {us['fp16']:8.1f} auto {us.get('auto', float('nan')):8.1f} "
                     f"best {best[1]} {best[0]:8.1f} us",
                     flush=True,
                 )
@@ -174,11 +186,28 @@ def fit(args) -> None:
     import numpy as np
 
     features_fn = library(args.library)
-    rows, gpus = [], set()
-    for path in args.json:
+    cells_by_key, gpus, gpu_info = {}, set(), None
+    for path in args.json:  # a later file's times replace or add to an earlier one's, path by path
         data = json.loads(Path(path).read_text())
-        rows += data["rows"]
+        for r in data["rows"]:
+            key = (r["N"], r["K"], r["k"], r["M"])
+            if key in cells_by_key:
+                cells_by_key[key]["us"].update(r["us"])
+            else:
+                cells_by_key[key] = {**r, "us": dict(r["us"])}
         gpus.add(f"{data['gpu']['gpu']} ({data['gpu']['sm_count']} SMs)")
+        gpu_info = data["gpu"]
+    rows = list(cells_by_key.values())
+    if args.merged:
+        Path(args.merged).write_text(
+            json.dumps(
+                {
+                    "gpu": gpu_info,
+                    "note": "merged by calibrate_dispatch.py fit from " + ", ".join(Path(p).name for p in args.json),
+                    "rows": rows,
+                }
+            )
+        )
     if len(gpus) != 1:
         sys.exit(f"calibrate_dispatch fit: --json files come from {sorted(gpus)}; fit one GPU at a time")
     gpu = gpus.pop()
@@ -224,7 +253,8 @@ def fit(args) -> None:
             if (r["N"], r["K"]) == hold:
                 best = min(v for n, v in r["us"].items() if n not in ("fp16", "auto", "nf4"))
                 regret.append(r["us"][pick(coef, r)] / best)
-                before.append(r["us"]["auto"] / best)
+                if "auto" in r["us"]:
+                    before.append(r["us"]["auto"] / best)
 
     def summary(values):
         values = sorted(values)
@@ -276,10 +306,14 @@ def main(argv=None):
     s.add_argument("--ks", default="2,4,5")
     s.add_argument("--ms", default=DEFAULT_MS)
     s.add_argument("--budget-s", type=float, default=480, help="stop measuring after this many seconds")
+    s.add_argument("--configs", default=None, help="only these fused configs (e.g. 7,14), without auto and staged")
+    s.add_argument("--min-m", type=int, default=1, help="only M >= this")
+    s.add_argument("--shapes-from", default=None, help="the (N, K) shapes of this earlier sweep JSON")
     f = sub.add_parser("fit", help="fit the coefficients and write the table")
     f.add_argument("--json", action="append", required=True, help="sweep results (repeatable, one GPU)")
     f.add_argument("--out", required=True, help="the table to write, e.g. ../csrc/kbit_dispatch_coef.inc")
     f.add_argument("--library", default=None, help="libbitsandbytes_kbit_cuda.so (default: the installed one)")
+    f.add_argument("--merged", default=None, help="also write the merged cells of every --json here")
     args = parser.parse_args(argv)
     sweep(args) if args.cmd == "sweep" else fit(args)
 

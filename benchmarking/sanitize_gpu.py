@@ -136,6 +136,29 @@ def ours(report: str) -> bool:
     return "kbit::" in report or "kbit" in report.split("Host Frame", 1)[0] or "libbitsandbytes_kbit" in report
 
 
+# The one racecheck report shown to be a tool limitation (kbit_gemm_wgmma_ws.cuh, ws_fetch_unit): the warp-specialised
+# kernels' weight ring, refilled by the producer's bulk copy (async proxy) after the consumers' LDS of the slot. The
+# order is the mbarrier protocol's (each consumer warp's loads, __syncwarp, lane 0's arrive on w_empty with release
+# semantics; the producer's wait on it with acquire semantics, then the copy), which racecheck does not model for
+# bulk copies. Exactly this write site against exactly these read sites is not counted; any other report is.
+RACECHECK_MBARRIER_WAR = (
+    re.compile(r"Write access at kbit::bulk_copy_g2s\("),
+    re.compile(r"Read access at void kbit::lds_unit_(words|absmax)<kbit::KbitWsConfig<"),
+)
+
+
+def racecheck_reports(log: str) -> list[tuple[str, list[str]]]:
+    """The race analysis reports (--racecheck-report analysis): (write line, [read lines]) each."""
+    out: list[tuple[str, list[str]]] = []
+    for line in log.splitlines():
+        body = line[9:].strip() if line.startswith("=========") else ""
+        if "Race reported between" in body:
+            out.append((body, []))
+        elif out and body.startswith("and ") and "access at" in body:
+            out[-1][1].append(body)
+    return out
+
+
 def summarize(tool: str, log: str) -> tuple[int | None, str]:
     """(errors, one-line detail) from a tool's output. initcheck counts only the reports that involve this project's
     code: only kernels named "kbit" are instrumented, so memory that PyTorch's own kernels wrote looks uninitialized
@@ -155,6 +178,12 @@ def summarize(tool: str, log: str) -> tuple[int | None, str]:
     r = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", log)
     if r:
         detail.append(f"hazards {r[-1][0]} ({r[-1][1]} errors, {r[-1][2]} warnings)")
+        found = racecheck_reports(log)
+        write_re, read_re = RACECHECK_MBARRIER_WAR
+        excused = [w for w, reads in found if write_re.search(w) and reads and all(read_re.search(x) for x in reads)]
+        if len(found) == int(r[-1][0]):  # every report is in the log: count the others as errors
+            errors = int(r[-1][1]) - len(excused)
+            detail.append(f"{len(excused)} of them the weight ring's mbarrier-ordered reuse (RACECHECK_MBARRIER_WAR)")
     kernels: dict[str, int] = {}
     for line in log.splitlines():
         if line.startswith("=========") and ("kbit::" in line) and ("in " in line or " at " in line):
@@ -195,7 +224,7 @@ def main() -> int:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if tool in ("memcheck", "initcheck"):
             env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # one allocation per tensor: out-of-bounds accesses show
-        extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
+        extra = ["--racecheck-report", "analysis"] if tool == "racecheck" else []
         # initcheck instruments every kernel: with the filter, memory that PyTorch's kernels wrote (torch.zeros of a
         # repacked weight's padding, the workspace's counters) reads as uninitialized in ours (H200: 20 such reports
         # in config 0 with the filter, 0 without, on the same cases)

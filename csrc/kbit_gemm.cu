@@ -52,10 +52,13 @@ static bool check_launch(const char* what) {
 //   id  TOK MT WARPS   reason
 #define KBIT_WGMMA_TABLE(X)                                                                                          \
     X(6, 64, 1, 16) /* M > 32 on sm_90a (17..32 where configs 3 / 4 leave slots idle): 256 x 64, 4 warpgroups */
-// warp-specialised wgmma config (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): 7 = 128 rows x 256
-// tokens, producer warps (bulk copies of the weights, TMA of the tokens) and 2 consumer warpgroups
-constexpr int WS_CONFIG = 7;
-constexpr int NUM_CONFIGS = 14;
+// warp-specialised wgmma configs (KbitWsConfig, sm_90a only: kbit_gemm_wgmma_ws.cuh): producer warps (bulk copies of
+// the weights, TMA of the tokens) and 2 consumer warpgroups; 7 = 128 rows x 256 tokens, 14 = 128 rows x 128 tokens
+// (half the padded MMA work of 7 where M <= 128 or 257..384, each weight dequantized once per 128 tokens)
+constexpr int WS_CONFIG = 7, WS_CONFIG_128 = 14;
+constexpr int NUM_CONFIGS = 15;
+static bool is_ws(int config) { return config == WS_CONFIG || config == WS_CONFIG_128; }
+static int ws_tok(int config) { return config == WS_CONFIG_128 ? 128 : 256; }
 constexpr int SIXTEEN_WARP_CONFIG = 11;   // config 3 as 16 warps in a CTA per SM
 constexpr int FOURTEEN_WARP_CONFIG = 13;  // config 11 as 224-row tiles: 14 warps in a CTA per SM
 constexpr int FIRST_SHARED_A_CONFIG = 2; // + log2(MB)
@@ -91,6 +94,7 @@ static ConfigInfo config_info(int id) {
         KBIT_WGMMA_TABLE(KBIT_WGMMA_INFO)
 #undef KBIT_WGMMA_INFO
     case WS_CONFIG: return ConfigInfo{32, 1, 8, 1, 1};
+    case WS_CONFIG_128: return ConfigInfo{16, 1, 8, 1, 1};
     }
     return ConfigInfo{1, 1, 1, 1, 0};
 }
@@ -134,7 +138,7 @@ static bool wgmma_available() {
 }
 static bool config_available(int id) {
     if (id < 0 || id >= NUM_CONFIGS || id == RETIRED_CONFIG_A || id == RETIRED_CONFIG_B) return false;
-    if (id == FIRST_WGMMA_CONFIG || id == WS_CONFIG) return wgmma_available();
+    if (id == FIRST_WGMMA_CONFIG || is_ws(id)) return wgmma_available();
     if (id == SIXTEEN_WARP_CONFIG || id == FOURTEEN_WARP_CONFIG)
         return device_smem_optin() >= 226 * 1024;
     return true;
@@ -143,7 +147,7 @@ static bool config_available(int id) {
 // Dispatch: the ONE place that maps a problem to a kernel config and a split count.
 // ---------------------------------------------------------------------------------------------
 // A config's k splits follow from the hardware and the problem: as many as fill one wave of its CTA slots
-// (choose_splits; config 7: ws_splits). Which config runs is a cost model. For every config this device runs, and for
+// (choose_splits; configs 7 and 14: ws_splits). Which config runs is a cost model. For every config this device runs, and for
 // the staged path (dequantize + cuBLAS, backends/cuda/ops.py), the predicted time is a linear function of a few
 // features of the problem under that config's tiling (cost_features: CTA waves, the busiest SM's warp k-steps,
 // weight bytes, split-K partial bytes, padded MMA work); the least predicted time wins. The coefficients, per config
@@ -183,7 +187,7 @@ static size_t workspace_bytes_for(const ConfigInfo& c, int M, int N, int k_split
 // slots). Stream-K for configs 2-3 (equal runs of (tile, k-step) pairs) was built and measured slower on all but 28672
 // x 8192.
 static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_count) {
-    if (M > SPLIT_K_MAX_M || c.mb > 8) return 1; // mb 32: config 7, its splits come from ws_splits
+    if (M > SPLIT_K_MAX_M || c.mb > 8) return 1; // mb 16, 32: configs 14, 7, their splits come from ws_splits
     const int k_steps = ceil_div(K_dim, UNIT_K);
     const long long n_ctas = ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n);
     const long long ctas = n_ctas * ceil_div(M, c.tile_m());
@@ -198,14 +202,14 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
     return splits < 1 ? 1 : splits;
 }
 
-// Config 7 (warp-specialised, 128 rows x 256 tokens) tiles of a launch
-static long long ws_tiles(int M, int N) { return (long long)ceil_div(N, 128) * ceil_div(M, 256); }
-// Config 7 split along k where its tiles leave SMs idle: as many splits as fit one CTA per SM, each of at least
-// WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (128 KB of
-// fp32 each) through the workspace slots of kbit_gemm.cuh section 5. Hence at least 24 k-steps.
+// Tiles of a launch of the warp-specialised configs (128 rows x tok tokens: 256 for config 7, 128 for 14)
+static long long ws_tiles(int M, int N, int tok) { return (long long)ceil_div(N, 128) * ceil_div(M, tok); }
+// Configs 7 and 14 split along k where their tiles leave SMs idle: as many splits as fit one CTA per SM, each of at
+// least WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (tok x
+// 128 fp32 each) through the workspace slots of kbit_gemm.cuh section 5. Hence at least 24 k-steps.
 constexpr int WS_MIN_SPLIT_STEPS = 24;
-constexpr size_t WS_TILE_BYTES = 256 * 128 * 4; // one fp32 partial tile
-// Without k splits, a partial last wave of config 7 that would leave more than half the SMs idle runs its tiles as
+static size_t ws_tile_bytes(int tok) { return (size_t)tok * 128 * 4; } // one fp32 partial tile
+// Without k splits, a partial last wave of configs 7 / 14 that would leave more than half the SMs idle runs its tiles as
 // two CTAs of half the k-steps each (kbit_gemm_wgmma_ws.cuh section 6): the tiles of the last
 // wave of `tiles`, each half at least 8 k-steps.
 static int ws_tail_tiles(long long tiles, int k_steps, int sm_count) {
@@ -213,25 +217,25 @@ static int ws_tail_tiles(long long tiles, int k_steps, int sm_count) {
     const long long tail = tiles % sms;
     return tiles > sms && tail > 0 && 2 * tail <= sms && k_steps >= 2 * WS_MIN_SPLIT_STEPS / 3 ? (int)tail : 0;
 }
-static size_t ws_partial_bytes(int M, int N, int K_dim, int k_splits, int sm_count) {
-    if (k_splits > 1) return (size_t)k_splits * ws_tiles(M, N) * WS_TILE_BYTES;
-    return (size_t)ws_tail_tiles(ws_tiles(M, N), ceil_div(K_dim, UNIT_K), sm_count) * 2 * WS_TILE_BYTES;
+static size_t ws_partial_bytes(int M, int N, int K_dim, int k_splits, int sm_count, int tok) {
+    if (k_splits > 1) return (size_t)k_splits * ws_tiles(M, N, tok) * ws_tile_bytes(tok);
+    return (size_t)ws_tail_tiles(ws_tiles(M, N, tok), ceil_div(K_dim, UNIT_K), sm_count) * 2 * ws_tile_bytes(tok);
 }
-static int ws_splits(int M, int N, int K_dim, int sm_count) {
-    const long long tiles = ws_tiles(M, N);
+static int ws_splits(int M, int N, int K_dim, int sm_count, int tok) {
+    const long long tiles = ws_tiles(M, N, tok);
     const int k_steps = ceil_div(K_dim, UNIT_K);
     const long long sms = sm_count > 0 ? sm_count : 1;
     if (tiles >= sms || tiles > MAX_SPLIT_CTAS) return 1;
     long long splits = sms / tiles;
     if (splits > k_steps / WS_MIN_SPLIT_STEPS) splits = k_steps / WS_MIN_SPLIT_STEPS;
     if (splits > MAX_SPLITS) splits = MAX_SPLITS;
-    while (splits > 1 && ws_partial_bytes(M, N, K_dim, (int)splits, sm_count) > MAX_WORKSPACE_BYTES) splits--;
+    while (splits > 1 && ws_partial_bytes(M, N, K_dim, (int)splits, sm_count, tok) > MAX_WORKSPACE_BYTES) splits--;
     if (splits <= 1) return 1;
     return ceil_div(k_steps, ceil_div(k_steps, splits)); // the last split is never empty
 }
 // counters and the partial tiles (k splits, or the halves of a split last wave); 0 when none is needed
-static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_count) {
-    const size_t partial = ws_partial_bytes(M, N, K_dim, k_splits, sm_count);
+static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_count, int tok) {
+    const size_t partial = ws_partial_bytes(M, N, K_dim, k_splits, sm_count, tok);
     return partial == 0 ? 0 : COUNTER_REGION_BYTES + partial;
 }
 // Features of the problem under `config` (-1: the staged path), the cost model's inputs; returns how many it wrote.
@@ -248,7 +252,8 @@ static int cost_features(int config, int M, int N, int K_dim, int k_bits, int sm
         return COST_FEATURES;
     }
     const ConfigInfo c = config_info(config);
-    const int splits = config == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count) : choose_splits(c, M, N, K_dim, sm_count);
+    const int splits =
+        is_ws(config) ? ws_splits(M, N, K_dim, sm_count, ws_tok(config)) : choose_splits(c, M, N, K_dim, sm_count);
     const long long k_steps = ceil_div(K_dim, UNIT_K);
     const long long m_tiles = ceil_div(M, c.tile_m());
     const long long ctas = (long long)ceil_div(N, c.tile_n()) * m_tiles * splits;
@@ -276,7 +281,7 @@ static bool cost_calibrated(const float (&coef)[COST_FEATURES]) {
 static float predicted_us(int config, int M, int N, int K_dim, int k_bits, int sm_count) {
     const float(&coef)[COST_FEATURES] = config < 0 ? STAGED_COEF[k_bits - 2] : COST_COEF[config][k_bits - 2];
     if (!cost_calibrated(coef)) return INFINITY;
-    if (config >= 0 && config != FIRST_WGMMA_CONFIG && config != WS_CONFIG &&
+    if (config >= 0 && config != FIRST_WGMMA_CONFIG && !is_ws(config) &&
         M > (config_info(config).shared_a_ctas == 0 ? COST_PER_WARP_MAX_M : SPLIT_K_MAX_M))
         return INFINITY;
     float f[COST_FEATURES];
@@ -295,8 +300,8 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         if (t < best_us) best_us = t, best = c;
     }
     if (best < 0) best = FIRST_SHARED_A_CONFIG + 1; // no calibrated config runs here (M > SPLIT_K_MAX_M without sm_90a)
-    const int splits = best == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count)
-                                         : choose_splits(config_info(best), M, N, K_dim, sm_count);
+    const int splits = is_ws(best) ? ws_splits(M, N, K_dim, sm_count, ws_tok(best))
+                                   : choose_splits(config_info(best), M, N, K_dim, sm_count);
     return Dispatch{best, splits};
 }
 
@@ -574,9 +579,9 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
     static bool s_attr_set[64] = {};
     if (!prepare_launch(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::SMEM_BYTES, s_attr_set, p, k_splits, "wgmma-ws"))
         return;
-    const size_t need = ws_workspace_bytes(p.M, p.N, p.K_dim, k_splits, sm_count);
+    const size_t need = ws_workspace_bytes(p.M, p.N, p.K_dim, k_splits, sm_count, Cfg::TOK);
     if (need > 0 && (workspace == nullptr || workspace_bytes < need)) {
-        set_error("ckbit_gemm", "config 7 needs a workspace of ckbit_gemm_workspace_bytes");
+        set_error("ckbit_gemm", "configs 7 and 14 need a workspace of ckbit_gemm_workspace_bytes");
         return;
     }
     p.counters = reinterpret_cast<int*>(workspace);
@@ -627,12 +632,14 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
             return;
         }
         d.config = config_override;
-        d.k_splits = d.config == WS_CONFIG ? ws_splits(M, N, K_dim, sm_count)
-                                           : choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+        d.k_splits = is_ws(d.config) ? ws_splits(M, N, K_dim, sm_count, ws_tok(d.config))
+                                     : choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
-    if (d.config == WS_CONFIG) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
-        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, d.k_splits, sm_count) > workspace_bytes) d.k_splits--;
-        const size_t need = ws_workspace_bytes(M, N, K_dim, 1, sm_count);
+    if (is_ws(d.config)) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
+        const int tok = ws_tok(d.config);
+        while (d.k_splits > 1 && ws_workspace_bytes(M, N, K_dim, d.k_splits, sm_count, tok) > workspace_bytes)
+            d.k_splits--;
+        const size_t need = ws_workspace_bytes(M, N, K_dim, 1, sm_count, tok);
         const bool a_tma_ok = (reinterpret_cast<uintptr_t>(A) % 16 == 0) && (lda % 8 == 0);
         // no room for a split last wave (a workspace grown before, under capture), or an A the tensor map cannot read
         // (the op copies such views to contiguous first): config 6
@@ -643,13 +650,13 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         }
     }
     if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets (after
-        // config 7's fallback to config 6 above)
+        // configs 7 / 14's fallback to config 6 above)
         d.config = FIRST_SHARED_A_CONFIG + 2; // 256 x 32 tiles, 64-bit offsets
         d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
     }
     const ConfigInfo ci = config_info(d.config);
     // fall back to fewer splits (finally none) when the caller's workspace is too small
-    while (d.config != WS_CONFIG && d.k_splits > 1 && workspace_bytes_for(ci, M, N, d.k_splits) > workspace_bytes)
+    while (!is_ws(d.config) && d.k_splits > 1 && workspace_bytes_for(ci, M, N, d.k_splits) > workspace_bytes)
         d.k_splits--;
     if (d.k_splits > 1 && workspace == nullptr) d.k_splits = 1;
 
@@ -673,7 +680,11 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         p.partials = nullptr;
     }
     if (d.config == WS_CONFIG) {
-        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count, stream);
+        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8, 256>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count, stream);
+        return;
+    }
+    if (d.config == WS_CONFIG_128) {
+        launch_wgmma_ws<KbitWsConfig<K_BITS, ABS_U8, 128>, T>(p, d.k_splits, workspace, workspace_bytes, sm_count, stream);
         return;
     }
     switch (d.config) {
@@ -699,11 +710,13 @@ static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count)
         const size_t b = workspace_bytes_for(config_info(c), M, N, choose_splits(config_info(c), M, N, K_dim, sm_count));
         if (b > worst) worst = b;
     }
-    // config 7's partial tiles (the same for every k: a cached workspace then never grows between calls of
+    // configs 7 and 14's partial tiles (the same for every k: a cached workspace then never grows between calls of
     // different k, and a CUDA graph captured with it keeps its address)
     if (wgmma_available()) {
-        const size_t ws = ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count), sm_count);
-        if (ws > worst) worst = ws;
+        for (int tok : {256, 128}) {
+            const size_t ws = ws_workspace_bytes(M, N, K_dim, ws_splits(M, N, K_dim, sm_count, tok), sm_count, tok);
+            if (ws > worst) worst = ws;
+        }
     }
     (void)k_bits;
     return worst;

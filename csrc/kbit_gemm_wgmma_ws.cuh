@@ -1,5 +1,6 @@
 // kbit_gemm_wgmma_ws.cuh: the warp-specialised Hopper (sm_90a) kernel of the fused k-bit GEMM for
-// large M (config 7; device code and its host-side tensor map; included by kbit_gemm.cu after
+// large M (configs 7 and 14: token tiles of TOK = 256 and 128; device code and its host-side tensor map; included by
+// kbit_gemm.cu after
 // kbit_gemm_wgmma.cuh, whose wgmma helpers, and kbit_gemm.cuh, whose layout and LUT dequant it reuses).
 //
 // ============================================================================================
@@ -9,15 +10,15 @@
 //    others at a CTA barrier per k-step, so at large M the tensor pipe waits on the copies and the barrier. Here
 //    the copies leave the compute warps:
 //      - two PRODUCER warps: one issues, per k-step, 8 bulk copies of the CTA's weight units (contiguous in the
-//        tiled layout) + 8 of their absmax, the other 2 TMA tile loads of the tokens (256 rows x 64 k, 128-byte
+//        tiled layout) + 8 of their absmax, the other 2 TMA tile loads of the tokens (TOK rows x 64 k, 128-byte
 //        swizzle: the K-major layout wgmma reads), each completing on an mbarrier ("full"); each refills a slot of
 //        its ring when the consumers have released it ("empty").
 //      - 8 CONSUMER warps (2 warpgroups) only wait on "full", dequantize (the LUT of kbit_gemm.cuh) into the
-//        register A operand and issue wgmma.m64n256k16; no CTA barrier in the main loop.
+//        register A operand and issue wgmma.m64n{TOK}k16; no CTA barrier in the main loop.
 //    The tiled weight holds each lane's pairs at the k its fragment slots stand for, so the TMA reads A as it is.
 //
-// 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x 256 tokens; each weight is dequantized once per
-//    256 tokens. Grid: (tiles, k splits), m tile fastest (the m tiles of one weight tile share it through L2). Where
+// 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x TOK tokens; each weight is dequantized once per
+//    TOK tokens (TOK = 128 halves the padded MMA work where M <= 128). Grid: (tiles, k splits), m tile fastest (the m tiles of one weight tile share it through L2). Where
 //    the tiles alone leave SMs idle the host splits the k-steps (ws_splits: whole SMs, >= WS_MIN_SPLIT_STEPS per
 //    split), summed through the workspace slots of kbit_gemm.cuh section 5 with a barrier among the 256 consumer
 //    threads in place of __syncthreads (the producer warps have returned).
@@ -50,15 +51,16 @@
 // 7. The output through shared memory (ws_store_tile): once every wgmma of the tile has retired and the token ring is
 //    free, the consumers write the tile with stmatrix.trans into it (token-major, 16-byte chunks swizzled by
 //    token % 8: no bank conflicts on either side) and store each token's 256 bytes with 16-byte stores:
-//          fragments (8 warps x 16 rows x 256 tokens) --stmatrix.x4.trans--> smem [256 tokens][128 rows]
-//          --LDS.128 / STG.128, 2 token rows per warp instruction--> C rows m_base + 0..255, columns n_cta + 0..127
+//          fragments (8 warps x 16 rows x TOK tokens) --stmatrix.x4.trans--> smem [TOK tokens][128 rows]
+//          --LDS.128 / STG.128, 2 token rows per warp instruction--> C rows m_base + 0..TOK-1, columns n_cta + 0..127
 //
 // 8. Token multicast (p.ws_multicast). Where a launch has no k splits and an even number of weight tiles and of
 //    tail tiles, the CTAs of weight tiles 2c and 2c + 1 of one m tile run as a cluster of 2 and share the token
-//    tile: each producer loads its 128 rows of every box with .multicast::cluster into the same slot of both CTAs,
-//    and each consumer warp releases a token slot in both (t_empty counts 16 arrives):
-//          cluster c:  CTA rank 0 = weight tile 2 (c / m_tiles),     m tile c % m_tiles, token rows   0..127 -> both
-//                      CTA rank 1 = weight tile 2 (c / m_tiles) + 1, same m tile,        token rows 128..255 -> both
+//    tile: each producer loads its TOK / 2 rows of every box with .multicast::cluster into the same slot of both
+//    CTAs, and each consumer warp releases a token slot in both (t_empty counts 16 arrives):
+//          cluster c:  CTA rank 0 = weight tile 2 (c / m_tiles),     m tile c % m_tiles, token rows 0 .. TOK/2-1 -> both
+//                      CTA rank 1 = weight tile 2 (c / m_tiles) + 1, same m tile,      token rows TOK/2 .. TOK-1 -> both
+//    A half box wholly past M is not loaded at all (ws_produce_tokens).
 //    The producer waits for the partner's last releases before it returns, so neither CTA exits while the other may
 //    still arrive on its barriers. The consumers' remote arrive uses the default .release.cta semantics: a
 //    cluster-scope fence per release costs a quarter of the kernel's time.
@@ -73,10 +75,12 @@ namespace kbit {
 
 // pipeline knobs; the defaults are the measured choice
 
-template <int K_BITS_, bool ABS_U8_>
-struct KbitWsConfig : KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true> {
-    using Base = KbitGemmConfig<K_BITS_, 32, 1, 8, 1, ABS_U8_, true>;
-    static constexpr int TOK = 256;                 // tokens per CTA tile = wgmma N
+template <int K_BITS_, bool ABS_U8_, int TOK_>
+struct KbitWsConfig : KbitGemmConfig<K_BITS_, TOK_ / 8, 1, 8, 1, ABS_U8_, true> {
+    using Base = KbitGemmConfig<K_BITS_, TOK_ / 8, 1, 8, 1, ABS_U8_, true>;
+    static_assert(TOK_ == 128 || TOK_ == 256, "wgmma N of the token tile");
+    static constexpr int TOK = TOK_;                // tokens per CTA tile = wgmma N
+    static constexpr int ACC = TOK / 2;             // fp32 accumulators per consumer thread (64 rows x TOK / 128)
     static constexpr int CONSUMER_WARPS = 8;        // 2 warpgroups, one unit each per k-step
     static constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
     // + a producer warpgroup (two warps of it work): 3 warpgroups let setmaxnreg move registers from the producer
@@ -162,7 +166,7 @@ __device__ __forceinline__ uint4 lds_128(uint32_t s_addr) {
     return v;
 }
 
-// D[64 x 256] (+)= A[64 x 16] (registers) x B[16 x 256] (shared, K-major, 128-byte swizzle); accumulate = 0
+// D[64 x N] (+)= A[64 x 16] (registers) x B[16 x N] (shared, K-major, 128-byte swizzle), N = 256 or 128; accumulate = 0
 // overwrites D: the first wgmma of a tile starts from it, so the accumulators are never zeroed by ordinary
 // instructions (ptxas serializes every wgmma of a kernel whose accumulators are defined between them, C7515)
 #define KBIT_ACC8(i)                                                                                                 \
@@ -184,24 +188,37 @@ __device__ __forceinline__ uint4 lds_128(uint32_t s_addr) {
                  "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                                                  \
                  : KBIT_ACC64(0), KBIT_ACC64(64)                                                                     \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-template <typename T> struct WgmmaRS256;
+#define KBIT_WGMMA_RS_N128(PTX_TYPE)                                                                                 \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                        \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " {"                           \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                            \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                  \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                 \
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                                      \
+                 : KBIT_ACC64(0)                                                                                     \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+template <typename T, int N> struct WgmmaRSAcc; // with the scale-d predicate (accumulate = 0: D = A x B)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KBIT_WGMMA_BODY(x) x
 #else
 #define KBIT_WGMMA_BODY(x) __trap()
 #endif
-#define KBIT_WGMMA_RS256_SPEC(T, PTX_TYPE)                                                                           \
-    template <> struct WgmmaRS256<T> {                                                                               \
-        static __device__ __forceinline__ void run(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b,         \
+#define KBIT_WGMMA_RS_SPEC(T, N, PTX_TYPE)                                                                           \
+    template <> struct WgmmaRSAcc<T, N> {                                                                             \
+        static __device__ __forceinline__ void run(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,       \
                                                    uint32_t accumulate) {                                            \
-            KBIT_WGMMA_BODY(KBIT_WGMMA_RS_N256(PTX_TYPE));                                                           \
+            KBIT_WGMMA_BODY(KBIT_WGMMA_RS_N##N(PTX_TYPE));                                                           \
         }                                                                                                            \
     };
-KBIT_WGMMA_RS256_SPEC(__half, "f16")
-KBIT_WGMMA_RS256_SPEC(__nv_bfloat16, "bf16")
-#undef KBIT_WGMMA_RS256_SPEC
+KBIT_WGMMA_RS_SPEC(__half, 256, "f16")
+KBIT_WGMMA_RS_SPEC(__nv_bfloat16, 256, "bf16")
+KBIT_WGMMA_RS_SPEC(__half, 128, "f16")
+KBIT_WGMMA_RS_SPEC(__nv_bfloat16, 128, "bf16")
+#undef KBIT_WGMMA_RS_SPEC
 #undef KBIT_WGMMA_BODY
 #undef KBIT_WGMMA_RS_N256
+#undef KBIT_WGMMA_RS_N128
 #undef KBIT_ACC64
 #undef KBIT_ACC8
 
@@ -211,7 +228,7 @@ KBIT_WGMMA_RS256_SPEC(__nv_bfloat16, "bf16")
 // then each token's 256 bytes to its row of C with 16-byte stores (element stores where C or N is not 16-byte
 // aligned and at the edge of N).
 template <class Cfg, typename T, int TOK_BEGIN = 0, int TOK_END = Cfg::TOK>
-__device__ __forceinline__ void ws_store_tile(const float (&acc)[128], const KbitGemmParams& p, uint32_t s_stage,
+__device__ __forceinline__ void ws_store_tile(const float (&acc)[Cfg::ACC], const KbitGemmParams& p, uint32_t s_stage,
                                               int n_cta, int m_base, int warp, int lane) {
     static_assert(TOK_BEGIN % 16 == 0 && TOK_END % 16 == 0 && TOK_BEGIN < TOK_END && TOK_END <= Cfg::TOK, "token rows");
     const int g = lane / 4, q = lane / 8, j = lane % 8;
@@ -283,27 +300,30 @@ __device__ __forceinline__ void mbar_arrive_cluster_release(uint32_t s_cluster_a
     KBIT_SM90A_ASM("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(s_cluster_addr) : "memory");
 }
 template <class Cfg, typename T, int KEEP>
-__device__ __forceinline__ void ws_pair_reduce_store(float (&acc)[128], const KbitGemmParams& p, const WsSmem<Cfg>& sm,
+__device__ __forceinline__ void ws_pair_reduce_store(float (&acc)[Cfg::ACC], const KbitGemmParams& p, const WsSmem<Cfg>& sm,
                                                      int n_cta, int m_base, int warp, int lane) {
-    static_assert(Cfg::TOK_STAGES >= 4 && Cfg::TOK == 256, "the park takes token slots 2 and 3");
+    // the park (half the accumulators of 256 threads = TOK * 256 bytes) fills token slots 2 and 3 exactly, the output
+    // half (TOK / 2 token rows of 256 bytes) lies in slots 0 and 1
+    static_assert(Cfg::TOK_STAGES >= 4, "the park takes token slots 2 and 3");
     constexpr int HALF = Cfg::TOK / 2;               // this CTA stores tokens KEEP * HALF .., parks the others
+    constexpr int HALF_ACC = Cfg::ACC / 2;           // their accumulators: acc[HALF_ACC * half ..]
     [[maybe_unused]] constexpr int GIVE = 1 - KEEP; // (unused where the asm is compiled out: sm_80 builds)
     const uint32_t tid = threadIdx.x, peer = cluster_rank() ^ 1u;
     const uint32_t park = sm.tok_slot(2);
     named_barrier_sync(1, Cfg::CONSUMER_THREADS); // both warpgroups' wgmmas have read their last token slot
 #pragma unroll
-    for (int i = 0; i < 16; i++)
+    for (int i = 0; i < HALF_ACC / 4; i++)
         KBIT_SM90A_ASM("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(park + (i * 256u + tid) * 16u),
-                       "f"(acc[64 * GIVE + 4 * i]), "f"(acc[64 * GIVE + 4 * i + 1]), "f"(acc[64 * GIVE + 4 * i + 2]),
-                       "f"(acc[64 * GIVE + 4 * i + 3])
+                       "f"(acc[HALF_ACC * GIVE + 4 * i]), "f"(acc[HALF_ACC * GIVE + 4 * i + 1]),
+                       "f"(acc[HALF_ACC * GIVE + 4 * i + 2]), "f"(acc[HALF_ACC * GIVE + 4 * i + 3])
                        : "memory");
     mbar_arrive_cluster_release(map_to_rank(sm.park_full(), peer));
     mbar_wait_cluster(sm.park_full(), 0);
     const uint32_t peer_park = map_to_rank(park, peer);
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
+    for (int i = 0; i < HALF_ACC / 4; i++) {
         const float4 v = ld_cluster_f32x4(peer_park + (i * 256u + tid) * 16u);
-        float* a = acc + 64 * KEEP + 4 * i;
+        float* a = acc + HALF_ACC * KEEP + 4 * i;
         a[0] += v.x, a[1] += v.y, a[2] += v.z, a[3] += v.w; // commutative: split 0 + split 1 either way
     }
     mbar_arrive_cluster_release(map_to_rank(sm.park_read(), peer));
@@ -341,21 +361,29 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
 // every box into both CTAs. A slot is refilled only when the consumers of both have released it (each consumer warp
 // arrives on t_empty of both CTAs); before it returns, the producer waits for the releases still to come, so that
 // no CTA exits while the other may still arrive on its barriers.
+// A box of half-tile rows that lies wholly past M is not loaded: the TMA's zero fill of such boxes is slow (it made the
+// whole kernel slower at M <= TOK / 2 than at M = TOK; docs/kernel.md). Its token rows keep stale shared memory, which
+// feeds only output columns m >= M, never stored (each token is its own column of the product).
 template <class Cfg>
-__device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const WsSmem<Cfg>& sm, int m_base,
+__device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const WsSmem<Cfg>& sm, int M, int m_base,
                                                   int k_begin, int n_steps, bool multicast, bool half_boxes) {
     const int rank = multicast ? (int)cluster_rank() : 0;
     const uint32_t dst_off = rank * (Cfg::TOK / 2) * 128;
+    const bool upper_half = m_base + Cfg::TOK / 2 < M;             // the second half-tile box holds a token
+    const uint32_t tx = multicast || half_boxes ? (upper_half ? 2 : 1) * (Cfg::TOK_HALF_BYTES / 2) : Cfg::TOK_HALF_BYTES;
     for (int j = 0; j < 2 * n_steps; j++) { // half j of this split = k (k_begin + j / 2) * UNIT_K + (j % 2) * HALF_K
         const int ts = j % Cfg::TOK_STAGES;
         mbar_wait(sm.t_empty(ts), ((j / Cfg::TOK_STAGES) & 1) ^ 1);
-        mbar_arrive_expect_tx(sm.t_full(ts), Cfg::TOK_HALF_BYTES); // both CTAs' rows
+        mbar_arrive_expect_tx(sm.t_full(ts), tx); // both CTAs' rows
         const int k = k_begin * UNIT_K + j * Cfg::HALF_K;
-        if (multicast)
-            tma_load_2d_multicast(sm.tok_slot(ts) + dst_off, tmap, k, m_base + rank * (Cfg::TOK / 2), sm.t_full(ts), 0x3);
-        else if (half_boxes) { // a pair CTA of a multicast launch (the map's boxes are TOK / 2 rows)
+        if (multicast) {
+            if (rank == 0 || upper_half)
+                tma_load_2d_multicast(sm.tok_slot(ts) + dst_off, tmap, k, m_base + rank * (Cfg::TOK / 2), sm.t_full(ts),
+                                      0x3);
+        } else if (half_boxes) { // a pair CTA of a multicast launch (the map's boxes are TOK / 2 rows)
             tma_load_2d(sm.tok_slot(ts), tmap, k, m_base, sm.t_full(ts));
-            tma_load_2d(sm.tok_slot(ts) + (Cfg::TOK / 2) * 128, tmap, k, m_base + Cfg::TOK / 2, sm.t_full(ts));
+            if (upper_half)
+                tma_load_2d(sm.tok_slot(ts) + (Cfg::TOK / 2) * 128, tmap, k, m_base + Cfg::TOK / 2, sm.t_full(ts));
         } else
             tma_load_2d(sm.tok_slot(ts), tmap, k, m_base, sm.t_full(ts));
     }
@@ -384,14 +412,18 @@ __device__ __forceinline__ void ws_fetch_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WOR
     ws_read_unit<Cfg>(r_w, r_abs, sm.w_slot(ws), warp, lane);
     lookup_frag_a<Cfg, 0>(raw[0][0], r_w, sm.lut, lane_off);
     lookup_frag_a<Cfg, 1>(raw[0][1], r_w, sm.lut, lane_off);
+    // The slot may be refilled once every consumer warp has arrived: each lane's loads have returned (their values fed
+    // the lookups above), __syncwarp orders them before lane 0's arrive (release), and the producer issues its bulk
+    // copy only after its wait on w_empty (acquire). compute-sanitizer racecheck does not model this order for bulk
+    // copies and reports every refill as a WAR hazard (benchmarking/sanitize_gpu.py, RACECHECK_MBARRIER_WAR).
     __syncwarp();
-    if (lane == 0) mbar_arrive(sm.w_empty(ws)); // the lane words are in registers (read before the arrive)
+    if (lane == 0) mbar_arrive(sm.w_empty(ws));
 }
 
 // block BLK of k-step i; after block 3's wgmmas `fetch_next` loads the next k-step's unit and looks up its block 0,
 // so that chain runs while the tensor core works instead of at the start of the next step
 template <class Cfg, typename T, int BLK, class FetchNext>
-__device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg::FRAG_SLOTS][2][4], uint32_t (&raw)[2][2][4],
+__device__ __forceinline__ void ws_block(float (&acc)[Cfg::ACC], uint32_t (&frag)[Cfg::FRAG_SLOTS][2][4], uint32_t (&raw)[2][2][4],
                                          const uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
                                          const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4], const WsSmem<Cfg>& sm,
                                          int i, uint32_t lane_off, int lane, uint32_t accumulate, FetchNext&& fetch_next) {
@@ -415,7 +447,7 @@ __device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < 2; s++) // k16 step s of the block: bytes 32 ((BLK % 2) * 2 + s) of each 128-byte token row
-        WgmmaRS256<T>::run(acc, frag[F][s], smem_desc_sw128(sm.tok_slot(ts) + ((BLK % 2) * 2 + s) * 32), s > 0 ? 1u : accumulate);
+        WgmmaRSAcc<T, Cfg::TOK>::run(acc, frag[F][s], smem_desc_sw128(sm.tok_slot(ts) + ((BLK % 2) * 2 + s) * 32), s > 0 ? 1u : accumulate);
     wgmma_commit();
     if constexpr (BLK % 2 == 1) // the token slot released above, in the other CTA of a multicast cluster too
         if (sm.peer_t_empty != 0u && j >= Cfg::FRAG_SLOTS / 2 && lane == 0)
@@ -425,7 +457,7 @@ __device__ __forceinline__ void ws_block(float (&acc)[128], uint32_t (&frag)[Cfg
 
 // k-step i from (r_w, r_abs), block 0 already looked up; fetches step i + 1 into (n_w, n_abs)
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_step(float (&acc)[128], uint32_t (&frag)[Cfg::FRAG_SLOTS][2][4], uint32_t (&raw)[2][2][4],
+__device__ __forceinline__ void ws_step(float (&acc)[Cfg::ACC], uint32_t (&frag)[Cfg::FRAG_SLOTS][2][4], uint32_t (&raw)[2][2][4],
                                         const uint32_t (&r_w)[Cfg::Fmt::LANE_WORDS],
                                         const uint32_t (&r_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
                                         uint32_t (&n_w)[Cfg::Fmt::LANE_WORDS], uint32_t (&n_abs)[Cfg::ABS_BYTES_PER_LANE / 4],
@@ -493,7 +525,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
         if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
         if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0)
-            ws_produce_tokens<Cfg>(&tmap, sm, m_base, k_begin, n_steps, multicast, clustered);
+            ws_produce_tokens<Cfg>(&tmap, sm, p.M, m_base, k_begin, n_steps, multicast, clustered);
         return;
     }
     KBIT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::CONSUMER_REGS));
@@ -503,7 +535,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     named_barrier_sync(1, Cfg::CONSUMER_THREADS); // the LUT, among the consumers
 
     const uint32_t lane_off = (uint32_t)(lane % Cfg::LUT_COPIES) * Cfg::LUT_ENTRY_BYTES;
-    float acc[128]; // first written by the tile's first wgmma (accumulate = 0)
+    float acc[Cfg::ACC]; // first written by the tile's first wgmma (accumulate = 0)
     uint32_t frag[Cfg::FRAG_SLOTS][2][4], raw[2][2][4];
     // two register sets for the weights, k-steps alternate between them (the loop is unrolled by 2: no copies)
     uint32_t r_w[2][Cfg::Fmt::LANE_WORDS], r_abs[2][Cfg::ABS_BYTES_PER_LANE / 4];
@@ -519,7 +551,8 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
         else ws_pair_reduce_store<Cfg, T, 1>(acc, p, sm, n16_cta * UNIT_ROWS, m_base, warp, lane);
         return;
     }
-    float(&acc_tile)[1][32][4] = reinterpret_cast<float(&)[1][32][4]>(acc); // = the m16n8 fragments of 32 token tiles
+    // = the m16n8 fragments of TOK / 8 token tiles
+    float(&acc_tile)[1][Cfg::MB][4] = reinterpret_cast<float(&)[1][Cfg::MB][4]>(acc);
     if (n_splits > 1) { // the workspace slots of kbit_gemm.cuh section 5, among the consumer warps only
         __shared__ int s_flag;
         const auto consumers_sync = [] { named_barrier_sync(1, Cfg::CONSUMER_THREADS); };

@@ -519,14 +519,50 @@ def test_cuda_gemm_non_contiguous_stream_graph_and_repeat():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("N,K_dim", [(1024, 2560), (4224, 640)])
+def test_cuda_staged_path_in_a_cuda_graph(N, K_dim, monkeypatch):
+    """The staged path (dequantize + cuBLAS) captured in a CUDA graph takes its scratch from the graph's pool: replayed
+    on new tokens it matches the reference (chunks of 1 MiB: a deep weight cut into k chunks, a wide one into rows),
+    and an eager call of another weight between replays (the cached eager scratch reused) does not disturb it."""
+    from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
+    from bitsandbytes_kbit.backends.cuda.ops import kbit_gemm_cuda
+
+    monkeypatch.setattr(cuda_ops, "STAGING_BYTES", 1 << 20)
+
+    k, M = 4, 384
+    packed, absmax, cb = make_weight(N, K_dim, k, "e4m4", "cuda")
+    Bp, Ba = F.repack_kbit(packed, absmax, k, N, K_dim)
+    g = seeded("staged-graph", N, K_dim)
+    static_A = torch.randn(M, K_dim, generator=g).to("cuda", torch.float16)
+    out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
+    kbit_gemm_cuda(static_A, Bp, Ba, cb, k, N, K_dim, None, out, path="staged")  # warm-up, eager
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kbit_gemm_cuda(static_A, Bp, Ba, cb, k, N, K_dim, None, out, path="staged")
+    for step in range(2):
+        A2 = torch.randn(M, K_dim, generator=g).to("cuda", torch.float16)
+        static_A.copy_(A2)
+        out.fill_(float("nan"))
+        graph.replay()
+        other = run_case(M, 2 * N, K_dim, k, torch.float16, path="staged")  # eager, between replays
+        torch.cuda.synchronize()
+        assert bool(torch.isfinite(other).all())
+        assert rel_err(out, reference(A2, packed, absmax, cb, k, N, K_dim)) <= TOL[torch.float16], f"replay {step}"
+
+
+WS_CONFIGS = (7, 14)  # the warp-specialised configs: 256- and 128-token tiles
+
+
+@pytest.mark.cuda
 @requires_hopper
 def test_cuda_gemm_warp_specialised_large_m_and_graph():
-    """Config 7 (Hopper, sm_90a build): M beyond the dispatcher's range (10 token tiles, a partial last one) in one
-    launch, k = 3 and 5, narrow and wide weights; the dispatcher's own choice (fused or staged) at 3000 tokens; and
-    config 7 at 512 tokens captured in a CUDA graph with out= and replayed on new data."""
-    run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=7)
-    run_case(2400, 1000, 14336, 5, torch.bfloat16, config=7)
-    run_case(2400, 4200, 14336, 5, torch.float16, bias=True, config=7)
+    """Configs 7 and 14 (Hopper, sm_90a build): M beyond the dispatcher's range (10 or 19 token tiles, a partial last
+    one) in one launch, k = 3 and 5, narrow and wide weights; the dispatcher's own choice (fused or staged) at 3000
+    tokens; and config 7 at 512 tokens captured in a CUDA graph with out= and replayed on new data."""
+    for ws in WS_CONFIGS:
+        run_case(2400, 1000, 14336, 3, torch.float16, bias=True, config=ws)
+        run_case(2400, 1000, 14336, 5, torch.bfloat16, config=ws)
+        run_case(2400, 4200, 14336, 5, torch.float16, bias=True, config=ws)
     run_case(3000, 14336, 4096, 3, torch.float16, bias=True)
     run_case(3000, 4096, 14336, 2, torch.bfloat16)
     run_case(3000, 14336, 4096, 5, torch.float16)
@@ -551,50 +587,56 @@ def test_cuda_gemm_warp_specialised_large_m_and_graph():
 
 @pytest.mark.cuda
 @requires_hopper
+@pytest.mark.parametrize("ws", WS_CONFIGS)
 @pytest.mark.parametrize("k", KS)
-def test_cuda_gemm_warp_specialised_split_k(k):
-    """Config 7 split along k where its tiles leave SMs idle: uneven splits (49 k-steps in 25 + 24), 80 tiles
+def test_cuda_gemm_warp_specialised_split_k(k, ws):
+    """Configs 7 and 14 split along k where its tiles leave SMs idle: uneven splits (49 k-steps in 25 + 24), 80 tiles
     planned for 1000 SMs (4 splits of 28 k-steps), bias and bf16; the dispatcher's own choice (a deep weight at M =
     256) twice in a row gives the same bits (the tile counters reset themselves, the slots are summed in split
     order). Without k splits, a partial last wave runs its tiles as two half-k CTAs: 32 tiles on 13 SMs (the last 6
     split, 17 k-steps in 9 + 8), 80 tiles on 37 SMs (the last 6 split, 56 + 56). k = 5 on a wider weight too: 330 tiles
     planned for 1000 SMs (3 splits of 38, 38, 36), and on 140 SMs (the last 50 tiles split)."""
-    run_case(300, 1000, 6272, k, torch.bfloat16, bias=True, config=7)
-    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=1000)
-    run_case(1000, 1000, 2080, k, torch.bfloat16, bias=True, config=7, sm_count=13)
-    run_case(2400, 1000, 14336, k, torch.float16, config=7, sm_count=37)
+    run_case(300, 1000, 6272, k, torch.bfloat16, bias=True, config=ws)
+    run_case(2400, 1000, 14336, k, torch.float16, config=ws, sm_count=1000)
+    run_case(1000, 1000, 2080, k, torch.bfloat16, bias=True, config=ws, sm_count=13)
+    run_case(2400, 1000, 14336, k, torch.float16, config=ws, sm_count=37)
     if k == 5:
-        run_case(2400, 4200, 14336, k, torch.bfloat16, bias=True, config=7, sm_count=1000)
-        run_case(2400, 4200, 14336, k, torch.float16, config=7, sm_count=140)
+        run_case(2400, 4200, 14336, k, torch.bfloat16, bias=True, config=ws, sm_count=1000)
+        run_case(2400, 4200, 14336, k, torch.float16, config=ws, sm_count=140)
     out = run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0)
     assert torch.equal(out, run_case(256, 4096, 14336, k, torch.float16, bias=k % 2 == 0))
 
 
 @pytest.mark.cuda
 @requires_hopper
+@pytest.mark.parametrize("ws", WS_CONFIGS)
 @pytest.mark.parametrize("k", KS)
-def test_cuda_gemm_warp_specialised_token_multicast(k):
-    """Config 7 with the token multicast (the CTAs of two weight tiles of one m tile run as a cluster and share its
+def test_cuda_gemm_warp_specialised_token_multicast(k, ws):
+    """Configs 7 and 14 with the token multicast (the CTAs of two weight tiles of one m tile run as a cluster and share its
     tokens: launches without k splits, with an even number of weight tiles and of split tail tiles): a partial last
     weight tile (N = 1000: 8 tiles) and a last m tile whose second 128 rows all lie past M (M = 600), planned for 24
     SMs (24 tiles: no splits, no tail), for 13 (a last wave of 11: no tail split) and for 10 (the last 4 tiles split
     in k halves, each tile's two halves a cluster summing through shared memory, one of them with every token past M in
     its half: the last m tile's second 128 rows); k = 5 also on a wider weight (N = 4352, 34 tiles, 102 SMs). Bias,
-    bf16, output poisoned; a second call gives the same bits."""
-    run_case(600, 1000, 1312, k, torch.float16, bias=True, config=7, sm_count=24)
-    out = run_case(600, 1000, 1312, k, torch.bfloat16, config=7, sm_count=13)
-    assert torch.equal(out, run_case(600, 1000, 1312, k, torch.bfloat16, config=7, sm_count=13))
-    out = run_case(600, 1000, 1312, k, torch.float16, bias=True, config=7, sm_count=10)
-    assert torch.equal(out, run_case(600, 1000, 1312, k, torch.float16, bias=True, config=7, sm_count=10))
+    bf16, output poisoned; a second call gives the same bits. (Config 14's 128-token tiles: M = 560 leaves the last m
+    tile's second 64 rows past M, M = 600 does not; M = 40 has one m tile, its second half past M.)"""
+    for M in (600, 560) if ws == 14 else (600,):
+        run_case(M, 1000, 1312, k, torch.float16, bias=True, config=ws, sm_count=24)
+        out = run_case(M, 1000, 1312, k, torch.bfloat16, config=ws, sm_count=13)
+        assert torch.equal(out, run_case(M, 1000, 1312, k, torch.bfloat16, config=ws, sm_count=13))
+        out = run_case(M, 1000, 1312, k, torch.float16, bias=True, config=ws, sm_count=10)
+        assert torch.equal(out, run_case(M, 1000, 1312, k, torch.float16, bias=True, config=ws, sm_count=10))
+    run_case(40, 1000, 1312, k, torch.float16, bias=True, config=ws, sm_count=8)
     if k == 5:
-        run_case(600, 4352, 1312, k, torch.float16, bias=True, config=7, sm_count=102)
+        run_case(600, 4352, 1312, k, torch.float16, bias=True, config=ws, sm_count=102)
 
 
 @pytest.mark.cuda
 @requires_hopper
+@pytest.mark.parametrize("ws", WS_CONFIGS)
 @pytest.mark.parametrize("k", KS)
-def test_cuda_gemm_warp_specialised_token_strides(k):
-    """Config 7's tokens come from A itself through the tensor map: a padded row stride (lda = K + 32, read as it is),
+def test_cuda_gemm_warp_specialised_token_strides(k, ws):
+    """Configs 7 and 14's tokens come from A itself through the tensor map: a padded row stride (lda = K + 32, read as it is),
     and views the op copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference, output
     poisoned."""
     from bitsandbytes_kbit.backends.cuda.ops import get_lib, kbit_gemm_cuda
@@ -614,7 +656,7 @@ def test_cuda_gemm_warp_specialised_token_strides(k):
         big = torch.randn(M, K_dim + pad + offset, generator=g).to("cuda", torch.float16)
         A = big[:, offset : offset + K_dim]
         out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
-        kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, None, out, config=7)
+        kbit_gemm_cuda(A, Bp, Ba, cb, k, N, K_dim, None, out, config=ws)
         ref = reference(A, packed, absmax, cb, k, N, K_dim)
         assert bool(torch.isfinite(out).all()), f"every element written (N {N}, pad {pad}, offset {offset})"
         assert rel_err(out, ref) <= TOL[torch.float16], f"N {N}, pad {pad}, offset {offset}"

@@ -359,8 +359,8 @@ def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.
 # The staged path: the weight dequantized in chunks to a cached scratch, then cuBLAS. From STAGED_MIN_M tokens the
 # native dispatcher's cost model (ckbit_gemm_staged_preferred, csrc/kbit_gemm.cu) weighs it against the fused configs;
 # below, the fused kernel always runs, so no fp16 copy of W is made at decode sizes. The scratch holds at most
-# STAGING_BYTES (one chunk), per device, stream and dtype, and is never used under CUDA-graph capture (the fused
-# kernel runs instead).
+# STAGING_BYTES (one chunk), per device, stream and dtype; under CUDA-graph capture each call takes its chunk from the
+# graph's private memory pool instead (freed after the call, so the staged calls of one graph share one chunk).
 STAGED_MIN_M = 64
 STAGING_BYTES = 64 << 20
 STAGING_ALIGN = 128  # chunk edges on whole cuBLAS tiles (and whole units: 16 rows, 128 k)
@@ -373,9 +373,10 @@ STAGED_ROWS_MIN_M = 2048
 _scratch: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
 
-def _staging_buffer(device: torch.device, dtype: torch.dtype, elems: int):
+def _staging_buffer(device: torch.device, dtype: torch.dtype, elems: int) -> torch.Tensor:
     if torch.cuda.is_current_stream_capturing():
-        return None  # a graph would keep the address of a buffer that later eager calls reuse or free
+        # the graph's own pool: a cached buffer would be reused or freed by later eager calls under the graph
+        return torch.empty(elems, dtype=dtype, device=device)
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), dtype)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < elems:
@@ -402,12 +403,10 @@ def staging_chunks(N: int, K_dim: int, elem_bytes: int = 2, M: int = 0) -> tuple
 
 
 @torch.no_grad()  # the op has no autograd formula; cuBLAS' out= calls refuse inputs that require grad
-def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> bool:
+def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> None:
     axis, chunks = staging_chunks(N, K_dim, A2.element_size(), A2.shape[0])
     span = max(e - b for b, e in chunks)
     scratch = _staging_buffer(A2.device, A2.dtype, span * (K_dim if axis == "n" else N))
-    if scratch is None:
-        return False
     for i, (c0, c1) in enumerate(chunks):
         if axis == "n":
             W = scratch[: (c1 - c0) * K_dim].view(c1 - c0, K_dim)
@@ -427,7 +426,6 @@ def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> boo
                 torch.addmm(bias, A_part, W.t(), out=C2)
             else:
                 torch.mm(A_part, W.t(), out=C2)
-    return True
 
 
 def _staged_preferred(lib, device, M, N, K_dim, k, sms) -> bool:
@@ -484,8 +482,9 @@ def kbit_gemm_cuda(
         and M >= STAGED_MIN_M
         and _staged_preferred(get_lib(), A.device, M, N, K_dim, k, sms)
     )
-    if staged and _staged_gemm(A2.view(M, K_dim), B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N)):
-        return  # else (no scratch under graph capture) the fused kernel
+    if staged:
+        _staged_gemm(A2.view(M, K_dim), B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N))
+        return
     fn = _gemm_entry(A.dtype, B_absmax.dtype, k)
     ws_bytes = _workspace_bytes(M, N, K_dim, k, sms)
     stream = torch._C._cuda_getCurrentRawStream(index)
