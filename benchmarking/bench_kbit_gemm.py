@@ -416,7 +416,7 @@ def parse_args(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="no GPU: modelled times through the whole flow")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default=None)
-    parser.add_argument("--shapes", default=None, help="--suite named: shape names")
+    parser.add_argument("--shapes", default=None, help="shape names (--suite named) or NxK of the suite (models)")
     parser.add_argument("--ms", "--m", dest="ms", default=None)
     parser.add_argument("--ks", "--k", dest="ks", default="2,3,4,5")
     parser.add_argument("--json", default=None)
@@ -440,8 +440,6 @@ def parse_args(argv=None):
             sys.exit(f"bench_kbit_gemm: --shapes {','.join(unknown)} unknown; expected some of {','.join(SHAPES)}")
         args.shape_table = {n: (*SHAPES[n], []) for n in names}
     else:
-        if args.shapes:
-            sys.exit("bench_kbit_gemm: --shapes is for --suite named; use --family / --sample with --suite models")
         part = None
         if args.part:
             try:
@@ -450,6 +448,15 @@ def parse_args(argv=None):
             except (ValueError, AssertionError):
                 sys.exit(f"bench_kbit_gemm: --part {args.part!r}: expected I/N with 1 <= I <= N, e.g. 3/10")
         args.shape_table = select_model_shapes(args.family, args.sample, part)
+        if args.shapes:  # NxK of the suite, e.g. 1024x2560,4672x4544
+            wanted = args.shapes.split(",")
+            table = {label: v for label, v in args.shape_table.items() if label.split()[0] in wanted}
+            missing = sorted(set(wanted) - {label.split()[0] for label in table})
+            if missing:
+                sys.exit(
+                    f"bench_kbit_gemm: --shapes {','.join(missing)}: not (N, K) of the chosen model shapes (--list)"
+                )
+            args.shape_table = table
     return args
 
 

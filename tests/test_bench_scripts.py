@@ -65,12 +65,18 @@ def test_parts_cover_every_shape_once():
         ["--sample", "3"],
         ["--suite", "models", "--part", "4/3"],
         ["--shapes", "L9B-q"],
+        ["--suite", "models", "--shapes", "1024x2561"],
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv):
     with pytest.raises(SystemExit) as exc:
         bench_kbit_gemm.parse_args(argv)
     assert isinstance(exc.value.code, str) and "bench_kbit_gemm" in exc.value.code
+
+
+def test_models_suite_shapes_by_n_x_k():
+    args = bench_kbit_gemm.parse_args(["--suite", "models", "--shapes", "4672x4544,1024x2560"])
+    assert sorted((N, K) for N, K, _ in args.shape_table.values()) == [(1024, 2560), (4672, 4544)]
 
 
 def test_models_suite_dry_run(tmp_path, capsys):
