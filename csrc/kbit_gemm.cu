@@ -730,6 +730,11 @@ static int effective_sm_count(int sm_count) {
     return cached_device_attribute<cudaDevAttrMultiProcessorCount>();
 }
 
+// units (16 rows x 128 k) of the tiled layout of W[N, K_dim]
+static size_t tiled_units(int N, int K_dim) {
+    return (size_t)((N + UNIT_ROWS - 1) / UNIT_ROWS) * ((K_dim + UNIT_K - 1) / UNIT_K);
+}
+
 // 0, or 1 with the launchers' message moved to the ABI's error slot
 static int handed_over() { return g_last_error[0] != 0 ? report_error(nullptr, "%s", g_last_error) : 0; }
 
@@ -756,10 +761,11 @@ int ckbit_repack(int k, int absmax_format, const int* packed_flat, const void* a
         return kbit::report_error("ckbit_repack", "absmax_format=%d, expected 0 (E4M4 uint8) or 1 (fp16)",
                                   absmax_format);
     return kbit::with_gemm_k("ckbit_repack", k, [&](auto kb) {
+        constexpr int K_BITS = decltype(kb)::value;
         if (absmax_format == KBIT_ABSMAX_E4M4)
-            kbit::repack<decltype(kb)::value, uint8_t>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);
+            kbit::repack<K_BITS, uint8_t>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);
         else
-            kbit::repack<decltype(kb)::value, uint16_t>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);
+            kbit::repack<K_BITS, uint16_t>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);
         return kbit::handed_over();
     });
 }
@@ -833,13 +839,9 @@ int ckbit_gemm_config_available(int config) { return kbit::config_available(conf
 
 // int32 words and absmax entries of the tiled layout of W[N, K_dim]
 size_t ckbit_tiled_words(int k, int N, int K_dim) {
-    const size_t units = (size_t)((N + kbit::UNIT_ROWS - 1) / kbit::UNIT_ROWS) * ((K_dim + kbit::UNIT_K - 1) / kbit::UNIT_K);
-    return units * 64 * (size_t)k;
+    return kbit::tiled_units(N, K_dim) * 64 * (size_t)k;
 }
 
-size_t ckbit_tiled_absmax(int N, int K_dim) {
-    const size_t units = (size_t)((N + kbit::UNIT_ROWS - 1) / kbit::UNIT_ROWS) * ((K_dim + kbit::UNIT_K - 1) / kbit::UNIT_K);
-    return units * kbit::UNIT_ABSMAX;
-}
+size_t ckbit_tiled_absmax(int N, int K_dim) { return kbit::tiled_units(N, K_dim) * kbit::UNIT_ABSMAX; }
 
 } // extern "C"

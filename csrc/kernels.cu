@@ -85,7 +85,8 @@ __global__ void kQuantizeKbit(
 // carries: the 16 products sit at distinct positions). 3 integer ops per plane per 4 elements
 // instead of 3 per plane per element.
 template <int K_BITS>
-__device__ __forceinline__ void byte_offsets_from_planes(const uint32_t (&planes)[K_BITS], uint32_t& lo4, uint32_t& hi4) {
+__device__ __forceinline__ void
+byte_offsets_from_planes(const uint32_t (&planes)[K_BITS], uint32_t& lo4, uint32_t& hi4) {
     lo4 = 0;
     hi4 = 0;
 #pragma unroll
@@ -389,8 +390,12 @@ void launch_dequantize_tiled(
 
 // Instantiations: the GEMM's compute dtypes x absmax storage (E4M4 / fp16) x bit width.
 #define KBIT_INSTANTIATE_TILED(K_BITS)                                                                                 \
-    template void launch_dequantize_tiled<K_BITS, half, true>(unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*); \
-    template void launch_dequantize_tiled<K_BITS, half, false>(unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*); \
+    template void launch_dequantize_tiled<K_BITS, half, true>(                                                         \
+        unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*                                \
+    );                                                                                                                 \
+    template void launch_dequantize_tiled<K_BITS, half, false>(                                                        \
+        unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*                                \
+    );                                                                                                                 \
     template void launch_dequantize_tiled<K_BITS, __nv_bfloat16, true>(                                                \
         unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, __nv_bfloat16*                       \
     );                                                                                                                 \

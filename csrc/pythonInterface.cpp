@@ -22,7 +22,9 @@ int ckbit_quantize_mse(
     void* absmax, long long n, int below, int above, cudaStream_t stream
 ) {
     kbit::clear_error();
-    return kbit::quantize_mse(k, dtype, absmax_format, A, codebook, codebook_len, packed, absmax, n, below, above, stream);
+    return kbit::quantize_mse(
+        k, dtype, absmax_format, A, codebook, codebook_len, packed, absmax, n, below, above, stream
+    );
 }
 
 int ckbit_dequantize(
