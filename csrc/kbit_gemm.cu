@@ -3,6 +3,7 @@
 #include "kbit_gemm.cuh"
 #include "kbit_gemm_wgmma.cuh"
 #include "kbit_gemm_wgmma_ws.cuh"
+#include "ops.cuh"
 
 #include <cstdio>
 #include <cstdlib>
@@ -725,80 +726,135 @@ static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count)
 } // namespace kbit
 
 // =============================================================================================
-// C ABI
+// C ABI: repack, GEMM and the dispatcher's queries. k, the activation dtype and the absmax storage are runtime
+// arguments with the codes and the error convention of ops.cuh (0 = success, 1 = failure, message in
+// ckbit_last_error); the launchers above keep their message in g_last_error, which the entries hand over.
 // =============================================================================================
+namespace kbit {
+
+// The test hook's overrides for the calling thread (ckbit_gemm_set_test_override; -1: none).
+static thread_local int t_config_override = -1;
+static thread_local int t_sm_count_override = -1;
+
+// sm_count > 0 as given; else the test override, else the current device's multiprocessor count
+static int effective_sm_count(int sm_count) {
+    if (sm_count > 0) return sm_count;
+    if (t_sm_count_override > 0) return t_sm_count_override;
+    return cached_device_attribute<cudaDevAttrMultiProcessorCount>();
+}
+
+// units (16 rows x 128 k) of the tiled layout of W[N, K_dim]
+static size_t tiled_units(int N, int K_dim) {
+    return (size_t)((N + UNIT_ROWS - 1) / UNIT_ROWS) * ((K_dim + UNIT_K - 1) / UNIT_K);
+}
+
+// 0, or 1 with the launchers' message moved to the ABI's error slot
+static int handed_over() { return g_last_error[0] != 0 ? report_error(nullptr, "%s", g_last_error) : 0; }
+
+template <typename F> static int with_gemm_k(const char* op, int k, F&& f) {
+    switch (k) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    }
+    return report_error(op, "k=%d, expected 2, 3, 4 or 5", k);
+}
+
+} // namespace kbit
+
 extern "C" {
 
-#define KBIT_REPACK_ENTRY(K, SUFFIX, ABST)                                                                           \
-    int ckbit_repack_k##K##_##SUFFIX(const int* packed_flat, const void* absmax_flat, int* B_packed,                \
-                                     void* B_absmax, int N, int K_dim, cudaStream_t stream) {                       \
-        kbit::g_last_error[0] = 0;                                                                                   \
-        kbit::repack<K, ABST>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);                       \
-        return kbit::g_last_error[0] != 0; /* 1: see ckbit_last_error */                                              \
-    }
-#define KBIT_REPACK_ENTRIES(K) KBIT_REPACK_ENTRY(K, u8abs, uint8_t) KBIT_REPACK_ENTRY(K, fp16abs, uint16_t)
-KBIT_REPACK_ENTRIES(2)
-KBIT_REPACK_ENTRIES(3)
-KBIT_REPACK_ENTRIES(4)
-KBIT_REPACK_ENTRIES(5)
+// The tiled layout (kbit_gemm.cuh, TiledFormat) of a flat k-bit weight W[N, K_dim]; absmax E4M4 or fp16.
+int ckbit_repack(int k, int absmax_format, const int* packed_flat, const void* absmax_flat, int* B_packed,
+                 void* B_absmax, int N, int K_dim, cudaStream_t stream) {
+    kbit::clear_error();
+    kbit::g_last_error[0] = 0;
+    if (absmax_format != KBIT_ABSMAX_E4M4 && absmax_format != KBIT_ABSMAX_FP16)
+        return kbit::report_error("ckbit_repack", "absmax_format=%d, expected 0 (E4M4 uint8) or 1 (fp16)",
+                                  absmax_format);
+    return kbit::with_gemm_k("ckbit_repack", k, [&](auto kb) {
+        constexpr int K_BITS = decltype(kb)::value;
+        if (absmax_format == KBIT_ABSMAX_E4M4)
+            kbit::repack<K_BITS, uint8_t>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);
+        else
+            kbit::repack<K_BITS, uint16_t>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);
+        return kbit::handed_over();
+    });
+}
 
-#define KBIT_GEMM_ENTRY(DT, T, ABS, ABS_U8, K)                                                                       \
-    int ckbit_gemm_##DT##_##ABS##_k##K(const void* A, const int* B_packed, const void* B_absmax,                    \
-                                        const float* codebook, int codebook_len, const void* bias, void* C, int M,   \
-                                        int N, int K_dim, int lda, void* workspace, size_t workspace_bytes,          \
-                                        int sm_count, int config_override, cudaStream_t stream) {                    \
-        kbit::g_last_error[0] = 0;                                                                                   \
-        kbit::gemm<K, T, ABS_U8>(A, B_packed, B_absmax, codebook, codebook_len, bias, C, M, N, K_dim, lda,          \
-                                 workspace, workspace_bytes, sm_count, config_override, stream);                    \
-        return kbit::g_last_error[0] != 0; /* 1: see ckbit_last_error */                                              \
-    }
-#define KBIT_GEMM_ENTRIES(K)                                                                                         \
-    KBIT_GEMM_ENTRY(fp16, __half, u8abs, true, K)                                                                    \
-    KBIT_GEMM_ENTRY(fp16, __half, fp16abs, false, K)                                                                 \
-    KBIT_GEMM_ENTRY(bf16, __nv_bfloat16, u8abs, true, K)                                                             \
-    KBIT_GEMM_ENTRY(bf16, __nv_bfloat16, fp16abs, false, K)
-KBIT_GEMM_ENTRIES(2)
-KBIT_GEMM_ENTRIES(3)
-KBIT_GEMM_ENTRIES(4)
-KBIT_GEMM_ENTRIES(5)
+// C[M, N] = A[M, K_dim] (row stride lda) @ W^T (+ bias[N]) for a repacked weight W; dtype fp16 or bf16 (A, bias and
+// C), absmax E4M4 or fp16. workspace: zero-initialised, of ckbit_gemm_workspace_bytes (fewer bytes, or none, give
+// fewer k splits); the kernels leave it zeroed. Plans for the current device (ckbit_gemm_set_test_override aside).
+int ckbit_gemm(int k, int dtype, int absmax_format, const void* A, const int* B_packed, const void* B_absmax,
+               const float* codebook, int codebook_len, const void* bias, void* C, int M, int N, int K_dim, int lda,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    constexpr const char* op = "ckbit_gemm";
+    kbit::clear_error();
+    kbit::g_last_error[0] = 0;
+    if (dtype != KBIT_DTYPE_FP16 && dtype != KBIT_DTYPE_BF16)
+        return kbit::report_error(op, "dtype=%d, expected 0 (fp16) or 1 (bf16)", dtype);
+    if (absmax_format != KBIT_ABSMAX_E4M4 && absmax_format != KBIT_ABSMAX_FP16)
+        return kbit::report_error(op, "absmax_format=%d, expected 0 (E4M4 uint8) or 1 (fp16)", absmax_format);
+    const int sm_count = kbit::effective_sm_count(0);
+    return kbit::with_gemm_k(op, k, [&](auto kb) {
+        constexpr int K_BITS = decltype(kb)::value;
+        if (codebook_len < 1 || codebook_len > (1 << K_BITS))
+            return kbit::report_error(op, "codebook_len=%d, expected 1..%d (2^k for k=%d)", codebook_len, 1 << K_BITS,
+                                      K_BITS);
+        const bool fp16 = dtype == KBIT_DTYPE_FP16, abs_u8 = absmax_format == KBIT_ABSMAX_E4M4;
+        auto run = [&](auto gemm_fn) {
+            gemm_fn(A, B_packed, B_absmax, codebook, codebook_len, bias, C, M, N, K_dim, lda, workspace,
+                    workspace_bytes, sm_count, kbit::t_config_override, stream);
+            return kbit::handed_over();
+        };
+        if (fp16) return abs_u8 ? run(kbit::gemm<K_BITS, __half, true>) : run(kbit::gemm<K_BITS, __half, false>);
+        return abs_u8 ? run(kbit::gemm<K_BITS, __nv_bfloat16, true>) : run(kbit::gemm<K_BITS, __nv_bfloat16, false>);
+    });
+}
 
+// The one test hook: for the calling thread's later ckbit_gemm calls, force kernel config `config` (the dispatcher
+// still picks its k splits) and/or plan for `sm_count` SMs instead of the device's (the queries below take it too
+// when their sm_count is <= 0); -1 (any negative) clears either. Lets tests reach every config and split on any GPU.
+void ckbit_gemm_set_test_override(int config, int sm_count) {
+    kbit::t_config_override = config < 0 ? -1 : config;
+    kbit::t_sm_count_override = sm_count <= 0 ? -1 : sm_count;
+}
 
-size_t ckbit_gemm_workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count) {
-    return kbit::workspace_bytes(M, N, K_dim, k_bits, sm_count);
+// The queries take sm_count <= 0 as the current device's count (or the test override's).
+
+// Bytes of split-K workspace ckbit_gemm may use for this problem (the same for every k)
+size_t ckbit_gemm_workspace_bytes(int M, int N, int K_dim, int k, int sm_count) {
+    return kbit::workspace_bytes(M, N, K_dim, k, kbit::effective_sm_count(sm_count));
 }
 
 int ckbit_gemm_num_configs(void) { return kbit::NUM_CONFIGS; }
 
 // the dispatcher's plan for this call on the current device: config + 256 * k splits (benchmarks and tests print it)
-int ckbit_gemm_plan(int M, int N, int K_dim, int k_bits, int sm_count) {
-    const kbit::Dispatch d = kbit::select_config(M, N, K_dim, k_bits, sm_count);
+int ckbit_gemm_plan(int M, int N, int K_dim, int k, int sm_count) {
+    const kbit::Dispatch d = kbit::select_config(M, N, K_dim, k, kbit::effective_sm_count(sm_count));
     return d.config + 256 * d.k_splits;
 }
 
 // 1 when the dispatcher wants the staged path (dequantize + cuBLAS) for this call on the current device
-int ckbit_gemm_staged_preferred(int M, int N, int K_dim, int k_bits, int sm_count) {
-    return kbit::staged_preferred(M, N, K_dim, k_bits, sm_count) ? 1 : 0;
+int ckbit_gemm_staged_preferred(int M, int N, int K_dim, int k, int sm_count) {
+    return kbit::staged_preferred(M, N, K_dim, k, kbit::effective_sm_count(sm_count)) ? 1 : 0;
 }
 
 // the cost model's features of this problem under `config` (-1: the staged path) into out[]; returns their count
-// (the calibration script fits the coefficients to them; no device is touched)
-int ckbit_gemm_cost_features(int config, int M, int N, int K_dim, int k_bits, int sm_count, float* out) {
-    if (config >= kbit::NUM_CONFIGS || k_bits < 2 || k_bits > 5) return 0;
-    return kbit::cost_features(config, M, N, K_dim, k_bits, sm_count, out);
+// (the calibration script fits the coefficients to them; no device is touched when sm_count > 0)
+int ckbit_gemm_cost_features(int config, int M, int N, int K_dim, int k, int sm_count, float* out) {
+    if (config >= kbit::NUM_CONFIGS || k < 2 || k > 5) return 0;
+    return kbit::cost_features(config, M, N, K_dim, k, kbit::effective_sm_count(sm_count), out);
 }
 
 int ckbit_gemm_config_available(int config) { return kbit::config_available(config) ? 1 : 0; }
 
-size_t ckbit_tiled_words(int k_bits, int N, int K_dim) {
-    const size_t units = (size_t)((N + kbit::UNIT_ROWS - 1) / kbit::UNIT_ROWS) * ((K_dim + kbit::UNIT_K - 1) / kbit::UNIT_K);
-    return units * 64 * (size_t)k_bits;
+// int32 words and absmax entries of the tiled layout of W[N, K_dim]
+size_t ckbit_tiled_words(int k, int N, int K_dim) {
+    return kbit::tiled_units(N, K_dim) * 64 * (size_t)k;
 }
 
-size_t ckbit_tiled_absmax(int N, int K_dim) {
-    const size_t units = (size_t)((N + kbit::UNIT_ROWS - 1) / kbit::UNIT_ROWS) * ((K_dim + kbit::UNIT_K - 1) / kbit::UNIT_K);
-    return units * kbit::UNIT_ABSMAX;
-}
-
-const char* ckbit_last_error(void) { return kbit::g_last_error; }
+size_t ckbit_tiled_absmax(int N, int K_dim) { return kbit::tiled_units(N, K_dim) * kbit::UNIT_ABSMAX; }
 
 } // extern "C"

@@ -10,6 +10,37 @@ namespace kbit {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// Shared by both quantize kernels (one warp per 32-element block, lane j owns element j).
+
+// The block's absmax, on every lane (invalid lanes pass 0).
+__device__ __forceinline__ float warp_absmax(float x) {
+    float amax = fabsf(x);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+    return amax;
+}
+
+// Writes block blk: plane word b (bit j = bit b of lane j's index; lanes past n give 0) from lane b, the stored scale
+// from lane 0. Every lane of the warp calls it (the ballots need all of them).
+template <int K_BITS, typename ABSMAX_T>
+__device__ __forceinline__ void store_block(
+    int lane, bool valid, int index, long long blk, int32_t* __restrict__ packed, ABSMAX_T* __restrict__ absmax,
+    ABSMAX_T stored
+) {
+    uint32_t my_word = 0;
+#pragma unroll
+    for (int b = 0; b < K_BITS; ++b) {
+        const uint32_t word = __ballot_sync(kFullMask, valid && ((index >> b) & 1));
+        if (lane == b)
+            my_word = word;
+    }
+    if (lane < K_BITS)
+        packed[blk * K_BITS + lane] = static_cast<int32_t>(my_word);
+    if (lane == 0)
+        absmax[blk] = stored;
+}
+
 template <typename T, int K_BITS, typename ABSMAX_T>
 __global__ void kQuantizeKbit(
     const T* __restrict__ A, const float* __restrict__ codebook, int codebook_len, int32_t* __restrict__ packed,
@@ -26,11 +57,7 @@ __global__ void kQuantizeKbit(
         const long long i = blk * kBlockElems + lane;
         const bool valid = i < n;
         const float x = valid ? to_float(A[i]) : 0.0f;
-
-        float amax = fabsf(x);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1)
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+        const float amax = warp_absmax(x);
 
         const ABSMAX_T stored = AbsmaxCodec<ABSMAX_T>::encode(amax);
         const float scale = AbsmaxCodec<ABSMAX_T>::decode(stored);
@@ -47,17 +74,7 @@ __global__ void kQuantizeKbit(
             }
         }
 
-        uint32_t my_word = 0;
-#pragma unroll
-        for (int b = 0; b < K_BITS; ++b) {
-            const uint32_t word = __ballot_sync(kFullMask, valid && ((best >> b) & 1));
-            if (lane == b)
-                my_word = word;
-        }
-        if (lane < K_BITS)
-            packed[blk * K_BITS + lane] = static_cast<int32_t>(my_word);
-        if (lane == 0)
-            absmax[blk] = stored;
+        store_block<K_BITS>(lane, valid, best, blk, packed, absmax, stored);
     }
 }
 
@@ -68,7 +85,8 @@ __global__ void kQuantizeKbit(
 // carries: the 16 products sit at distinct positions). 3 integer ops per plane per 4 elements
 // instead of 3 per plane per element.
 template <int K_BITS>
-__device__ __forceinline__ void byte_offsets_from_planes(const uint32_t (&planes)[K_BITS], uint32_t& lo4, uint32_t& hi4) {
+__device__ __forceinline__ void
+byte_offsets_from_planes(const uint32_t (&planes)[K_BITS], uint32_t& lo4, uint32_t& hi4) {
     lo4 = 0;
     hi4 = 0;
 #pragma unroll
@@ -247,10 +265,7 @@ __global__ void kQuantizeKbitMse(
         const long long i = blk * kBlockElems + lane;
         const bool valid = i < n;
         const float x = valid ? to_float(A[i]) : 0.0f;
-        float amax = fabsf(x);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1)
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+        const float amax = warp_absmax(x);
         int exponent = 0;
         frexpf(amax, &exponent);
         exponent = exponent < -100 ? -100 : exponent > 127 ? 127 : exponent;
@@ -311,17 +326,7 @@ __global__ void kQuantizeKbitMse(
         while (best_idx > 0 && s_code[best_idx - 1] == s_code[best_idx])
             --best_idx;  // a duplicated level is stored as its lowest index (same value and error)
 
-        uint32_t my_word = 0;
-#pragma unroll
-        for (int b = 0; b < K_BITS; ++b) {
-            const uint32_t word = __ballot_sync(kFullMask, valid && ((best_idx >> b) & 1));
-            if (lane == b)
-                my_word = word;
-        }
-        if (lane < K_BITS)
-            packed[blk * K_BITS + lane] = static_cast<int32_t>(my_word);
-        if (lane == 0)
-            absmax[blk] = best_stored;
+        store_block<K_BITS>(lane, valid, best_idx, blk, packed, absmax, best_stored);
     }
 }
 
@@ -351,7 +356,7 @@ void launch_dequantize_kbit(
         <<<grid, threads, 0, stream>>>(packed, absmax, codebook, codebook_len, out, n, vector_store);
 }
 
-// Instantiations: every element type x absmax storage x bit width the C ABI exports.
+// Instantiations: every element type x absmax storage x bit width ops.cu dispatches to.
 #define KBIT_INSTANTIATE(T, ABSMAX_T, K_BITS)                                                                          \
     template void launch_quantize_kbit<T, K_BITS, ABSMAX_T>(                                                           \
         unsigned, unsigned, cudaStream_t, const T*, const float*, int, int32_t*, ABSMAX_T*, long long                  \
@@ -385,8 +390,12 @@ void launch_dequantize_tiled(
 
 // Instantiations: the GEMM's compute dtypes x absmax storage (E4M4 / fp16) x bit width.
 #define KBIT_INSTANTIATE_TILED(K_BITS)                                                                                 \
-    template void launch_dequantize_tiled<K_BITS, half, true>(unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*); \
-    template void launch_dequantize_tiled<K_BITS, half, false>(unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*); \
+    template void launch_dequantize_tiled<K_BITS, half, true>(                                                         \
+        unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*                                \
+    );                                                                                                                 \
+    template void launch_dequantize_tiled<K_BITS, half, false>(                                                        \
+        unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, half*                                \
+    );                                                                                                                 \
     template void launch_dequantize_tiled<K_BITS, __nv_bfloat16, true>(                                                \
         unsigned, unsigned, cudaStream_t, const TiledWeight&, const TiledRegion&, __nv_bfloat16*                       \
     );                                                                                                                 \

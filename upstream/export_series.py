@@ -14,8 +14,9 @@ How the sources move:
   ``nn/modules.py``) get this project's statements appended and its imports placed after upstream's; names this
   project defines must not collide with upstream's (checked), and ``__all__`` is not carried over.
 - C++: the quantize / dequantize kernels go to the end of ``csrc/kernels.cu`` / ``kernels.cuh``, the host launchers
-  to ``ops.cu`` / ``ops.cuh``, the ``extern "C"`` wrappers to ``pythonInterface.cpp`` (CUDA builds only); the GEMM
-  family keeps files of its own, built by upstream's CMake as an object library with sm_90a code for its Hopper
+  (and the C ABI's codes and error slot) to ``ops.cu`` / ``ops.cuh``, the quantize / dequantize ``extern "C"``
+  entries to ``pythonInterface.cpp`` (CUDA builds only); the GEMM family, its repack and GEMM entries included, keeps
+  files of its own, built by upstream's CMake as an object library with sm_90a code for its Hopper
   kernels.
 - ruff and clang-format (upstream's settings) format the files the series writes; the script needs clang-format
   (``pip install 'clang-format>=20,<21'``: upstream's pre-commit pins 20.1).
@@ -437,8 +438,9 @@ def series() -> list[Step]:
             "Add the k-bit repack and fused dequantize + GEMM",
             "repack_kbit writes the GEMM's tiled layout; kbit_gemm multiplies activations by the packed weight\n"
             "without materialising it. The GEMM family lives in files of its own, as gemm_4bit does; its Hopper\n"
-            'kernels build for sm_90a. Host launchers go to ops.cu, the extern "C" entry points (quantize,\n'
-            "dequantize, repack, GEMM) to pythonInterface.cpp.",
+            'kernels build for sm_90a. Host launchers go to ops.cu, the quantize / dequantize extern "C" entry\n'
+            "points to pythonInterface.cpp; repack and GEMM's are at the end of kbit_gemm.cu. k, the dtype and the\n"
+            "absmax format are runtime arguments of a handful of entries, with one error convention.",
             [
                 *[copy_file(f"csrc/{f}", f"csrc/{f}", port_cxx) for f in GEMM_FILES],
                 append_cxx("csrc/ops.cuh", "csrc/ops.cuh", header=True),

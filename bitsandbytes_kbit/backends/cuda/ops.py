@@ -8,7 +8,6 @@ import torch
 
 from ... import functional as _functional
 from ..._ops import (
-    SUPPORTED_K,
     check_dequantize_args,
     check_dequantize_out_args,
     check_dequantize_tiled_args,
@@ -23,110 +22,57 @@ from ..._ops import (
 from ...cextension import get_lib
 from ..default.ops import check_finite
 
-_DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-_ABSMAX_NAME = {torch.uint8: "u8abs", torch.float16: "fp16abs", torch.float32: "fp32abs"}
+# The C ABI's codes for the element type and the absmax storage (csrc/ops.cuh, KbitDtype / KbitAbsmaxFormat).
+_DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_ABSMAX_CODE = {torch.uint8: 0, torch.float16: 1, torch.float32: 2}
 
-# The ctypes signatures, one table (upstream's _setup_ctypes); every entry returns a cudaError_t.
+# The ctypes signatures, one table (upstream's _setup_ctypes). Every entry that does work returns 0 on success and 1
+# on failure, with the message in ckbit_last_error; k, dtype and absmax_format are runtime ints.
+_INT, _PTR, _SIZE = ct.c_int, ct.c_void_p, ct.c_size_t
+_FORMAT = [_INT, _INT, _INT]  # k, dtype code, absmax code
 _SIGNATURES = {
-    # (A, codebook, codebook_len, packed, absmax, n, stream)
-    "cquantize_kbit_{dtype}_{absmax}_k{k}": [
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_int,
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_longlong,
-        ct.c_void_p,
-    ],
-    # (A, codebook, codebook_len, packed, absmax, n, below, above, stream)
-    "cquantize_kbit_mse_{dtype}_{absmax}_k{k}": [
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_int,
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_longlong,
-        ct.c_int,
-        ct.c_int,
-        ct.c_void_p,
-    ],
-    # (packed, absmax, codebook, codebook_len, out, n, stream)
-    "cdequantize_kbit_{dtype}_{absmax}_k{k}": [
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_int,
-        ct.c_void_p,
-        ct.c_longlong,
-        ct.c_void_p,
-    ],
-    # (packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream)
-    "ckbit_repack_k{k}_{absmax}": [
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_int,
-        ct.c_int,
-        ct.c_void_p,
-    ],
-    # (B_packed, B_absmax, codebook, codebook_len, out, N, K_dim, n_begin, n_end, k_begin, k_end, stream)
-    "cdequantize_tiled_{dtype}_{absmax}_k{k}": [ct.c_void_p, ct.c_void_p, ct.c_void_p, ct.c_int, ct.c_void_p]
-    + [ct.c_int] * 6
-    + [ct.c_void_p],
-    # (A, B_packed, B_absmax, codebook, codebook_len, bias, C, M, N, K_dim, lda, workspace, workspace_bytes,
-    #  sm_count, config_override, stream)
-    "ckbit_gemm_{dtype}_{absmax}_k{k}": [
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_int,
-        ct.c_void_p,
-        ct.c_void_p,
-        ct.c_int,
-        ct.c_int,
-        ct.c_int,
-        ct.c_int,
-        ct.c_void_p,
-        ct.c_size_t,
-        ct.c_int,
-        ct.c_int,
-        ct.c_void_p,
-    ],
+    # (k, dtype, absmax_format, A, codebook, codebook_len, packed, absmax, n, stream)
+    "ckbit_quantize": (_INT, [*_FORMAT, _PTR, _PTR, _INT, _PTR, _PTR, ct.c_longlong, _PTR]),
+    # (k, dtype, absmax_format, A, codebook, codebook_len, packed, absmax, n, below, above, stream)
+    "ckbit_quantize_mse": (_INT, [*_FORMAT, _PTR, _PTR, _INT, _PTR, _PTR, ct.c_longlong, _INT, _INT, _PTR]),
+    # (k, dtype, absmax_format, packed, absmax, codebook, codebook_len, out, n, stream)
+    "ckbit_dequantize": (_INT, [*_FORMAT, _PTR, _PTR, _PTR, _INT, _PTR, ct.c_longlong, _PTR]),
+    # (k, dtype, absmax_format, B_packed, B_absmax, codebook, codebook_len, out, N, K_dim, n_begin, n_end, k_begin,
+    #  k_end, stream)
+    "ckbit_dequantize_tiled": (_INT, [*_FORMAT, _PTR, _PTR, _PTR, _INT, _PTR, *[_INT] * 6, _PTR]),
+    # (k, absmax_format, packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream)
+    "ckbit_repack": (_INT, [_INT, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _PTR]),
+    # (k, dtype, absmax_format, A, B_packed, B_absmax, codebook, codebook_len, bias, C, M, N, K_dim, lda, workspace,
+    #  workspace_bytes, stream)
+    "ckbit_gemm": (
+        _INT,
+        [*_FORMAT, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _PTR, _INT, _INT, _INT, _INT, _PTR, _SIZE, _PTR],
+    ),
+    # (config, sm_count): the test hook, -1 = none
+    "ckbit_gemm_set_test_override": (None, [_INT, _INT]),
+    # (M, N, K_dim, k, sm_count); sm_count <= 0: the current device's
+    "ckbit_gemm_workspace_bytes": (_SIZE, [_INT] * 5),
+    "ckbit_gemm_plan": (_INT, [_INT] * 5),
+    "ckbit_gemm_staged_preferred": (_INT, [_INT] * 5),
+    # (config, M, N, K_dim, k, sm_count, out[8]) -> feature count
+    "ckbit_gemm_cost_features": (_INT, [_INT] * 6 + [ct.POINTER(ct.c_float)]),
+    "ckbit_gemm_num_configs": (_INT, []),
+    "ckbit_gemm_config_available": (_INT, [_INT]),
+    "ckbit_tiled_words": (_SIZE, [_INT] * 3),
+    "ckbit_tiled_absmax": (_SIZE, [_INT] * 2),
+    "ckbit_last_error": (ct.c_char_p, []),
 }
-_GEMM_DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_GEMM_ABSMAX_NAME = {torch.uint8: "u8abs", torch.float16: "fp16abs"}
 
 
 def entry_point_names() -> list[str]:
     """Every C symbol this backend may call (for the build test)."""
-    names = set()
-    for template in _SIGNATURES:
-        gemm = template.startswith(("ckbit_", "cdequantize_tiled"))
-        for d in (_GEMM_DTYPE_NAME if gemm else _DTYPE_NAME).values():
-            for a in (_GEMM_ABSMAX_NAME if gemm else _ABSMAX_NAME).values():
-                for k in SUPPORTED_K:
-                    names.add(template.format(dtype=d, absmax=a, k=k))
-    return [
-        *sorted(names),
-        "ckbit_gemm_workspace_bytes",
-        "ckbit_gemm_num_configs",
-        "ckbit_gemm_config_available",
-        "ckbit_gemm_plan",
-        "ckbit_gemm_staged_preferred",
-        "ckbit_gemm_cost_features",
-        "ckbit_error_string",
-        "ckbit_last_error",
-    ]
+    return list(_SIGNATURES)
 
 
 @functools.cache
-def _entry(template: str, **names) -> ct._CFuncPtr:
-    lib = get_lib()
-    fn = getattr(lib, template.format(**names))
-    fn.argtypes = _SIGNATURES[template]
-    fn.restype = ct.c_int
+def _entry(name: str) -> ct._CFuncPtr:
+    fn = getattr(get_lib(), name)
+    fn.restype, fn.argtypes = _SIGNATURES[name]
     return fn
 
 
@@ -138,21 +84,15 @@ def _stream(t: torch.Tensor) -> ct.c_void_p:
     return ct.c_void_p(torch._C._cuda_getCurrentRawStream(t.device.index))
 
 
-def _raise(op: str, fn, err: int) -> None:
-    """A nonzero return of a C entry is an error: the GEMM entries leave their message in
-    ckbit_last_error, the others return a cudaError_t."""
-    lib = get_lib()
-    lib.ckbit_last_error.restype = ct.c_char_p
-    lib.ckbit_error_string.restype = ct.c_char_p
-    detail = lib.ckbit_last_error().decode() if fn.__name__.startswith("ckbit_") else ""
-    raise RuntimeError(f"{op}: {detail or 'CUDA error ' + str(err) + ': ' + lib.ckbit_error_string(err).decode()}")
+def _raise(op: str) -> None:
+    """Raise the message of the C entry that just failed on this thread."""
+    raise RuntimeError(f"{op}: {_entry('ckbit_last_error')().decode()}")
 
 
-def _call(op: str, fn, *args) -> None:
-    """Call a C entry and raise on a nonzero return."""
-    err = fn(*args)
-    if err != 0:
-        _raise(op, fn, err)
+def _call(op: str, name: str, *args) -> None:
+    """Call C entry ``name`` and raise its message on failure."""
+    if _entry(name)(*args) != 0:
+        _raise(op)
 
 
 @register_kernel("bitsandbytes::quantize_kbit", "cuda")
@@ -163,10 +103,9 @@ def _(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype
     return _quantize(A, codebook, k, absmax_dtype)
 
 
-def _quantize_with(template: str, A: torch.Tensor, codebook, k: int, absmax_dtype: torch.dtype, *rule_args):
-    """One quantize entry (``template``: the absmax rule's or the mse rule's) on checked arguments, no host sync;
+def _quantize_with(name: str, A: torch.Tensor, codebook, k: int, absmax_dtype: torch.dtype, *rule_args):
+    """One quantize entry (``name``: the absmax rule's or the mse rule's) on checked arguments, no host sync;
     ``rule_args`` go between n and the stream."""
-    fn = _entry(template, dtype=_DTYPE_NAME[A.dtype], absmax=_ABSMAX_NAME[absmax_dtype], k=k)
     A = A.contiguous()
     codebook = codebook.contiguous()
     nb = num_blocks(A.numel())
@@ -174,32 +113,32 @@ def _quantize_with(template: str, A: torch.Tensor, codebook, k: int, absmax_dtyp
     absmax = torch.empty(nb, dtype=absmax_dtype, device=A.device)
     with torch.cuda.device(A.device):
         args = (_ptr(A), _ptr(codebook), codebook.numel(), _ptr(packed), _ptr(absmax), A.numel(), *rule_args)
-        _call("quantize_kbit", fn, *args, _stream(A))
+        _call("quantize_kbit", name, k, _DTYPE_CODE[A.dtype], _ABSMAX_CODE[absmax_dtype], *args, _stream(A))
     return packed, absmax
 
 
 def _quantize(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype):
     """The kernel call of quantize_kbit (the absmax rule) on checked arguments (no host sync)."""
-    return _quantize_with("cquantize_kbit_{dtype}_{absmax}_k{k}", A, codebook, k, absmax_dtype)
+    return _quantize_with("ckbit_quantize", A, codebook, k, absmax_dtype)
 
 
 def _quantize_mse(A: torch.Tensor, codebook: torch.Tensor, k: int, absmax_dtype: torch.dtype, below: int, above: int):
     """The error-minimizing quantize (scale_search.quantize_blocks_mse's rule) in one kernel, on checked arguments
     (no host sync): ``below`` / ``above`` candidate scales around the rounded absmax."""
-    return _quantize_with("cquantize_kbit_mse_{dtype}_{absmax}_k{k}", A, codebook, k, absmax_dtype, below, above)
+    return _quantize_with("ckbit_quantize_mse", A, codebook, k, absmax_dtype, below, above)
 
 
 def _dequantize(packed, absmax, codebook, k, n, dtype, out) -> None:
-    fn = _entry(
-        "cdequantize_kbit_{dtype}_{absmax}_k{k}", dtype=_DTYPE_NAME[dtype], absmax=_ABSMAX_NAME[absmax.dtype], k=k
-    )
     packed = packed.contiguous()
     absmax = absmax.contiguous()
     codebook = codebook.contiguous()
     with torch.cuda.device(packed.device):
         _call(
             "dequantize_kbit",
-            fn,
+            "ckbit_dequantize",
+            k,
+            _DTYPE_CODE[dtype],
+            _ABSMAX_CODE[absmax.dtype],
             _ptr(packed),
             _ptr(absmax),
             _ptr(codebook),
@@ -232,14 +171,14 @@ def _(packed, absmax, codebook, k: int, n: int, dtype: torch.dtype, out: torch.T
 @register_kernel("bitsandbytes::repack_kbit", "cuda")
 def _(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     check_repack_args(packed, absmax, k, N, K_dim)
-    fn = _entry("ckbit_repack_k{k}_{absmax}", k=k, absmax=_GEMM_ABSMAX_NAME[absmax.dtype])
     words_shape, absmax_shape = tiled_shapes(k, N, K_dim)
     packed = packed.contiguous()
     absmax = absmax.contiguous()
     B_packed = torch.zeros(words_shape, dtype=torch.int32, device=packed.device)
     B_absmax = torch.zeros(absmax_shape, dtype=absmax.dtype, device=packed.device)
     with torch.cuda.device(packed.device):
-        _call("repack_kbit", fn, _ptr(packed), _ptr(absmax), _ptr(B_packed), _ptr(B_absmax), N, K_dim, _stream(packed))
+        args = (_ptr(packed), _ptr(absmax), _ptr(B_packed), _ptr(B_absmax), N, K_dim, _stream(packed))
+        _call("repack_kbit", "ckbit_repack", k, _ABSMAX_CODE[absmax.dtype], *args)
     return B_packed, B_absmax
 
 
@@ -292,47 +231,36 @@ def _workspace(device: torch.device, stream: int, needed: int) -> torch.Tensor:
 
 
 def gemm_num_configs() -> int:
-    lib = get_lib()
-    lib.ckbit_gemm_num_configs.restype = ct.c_int
-    return lib.ckbit_gemm_num_configs()
+    return _entry("ckbit_gemm_num_configs")()
 
 
 def gemm_config_available(config: int, device=None) -> bool:
     """Whether `config` can run on ``device`` (the current one by default): the wgmma configs need a
     compute capability 9.0 GPU and a library built for sm_90a, the widest shared-A one 226 KB of
     shared memory per block."""
-    lib = get_lib()
-    lib.ckbit_gemm_config_available.restype = ct.c_int
-    lib.ckbit_gemm_config_available.argtypes = [ct.c_int]
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
-        return bool(lib.ckbit_gemm_config_available(config))
+        return bool(_entry("ckbit_gemm_config_available")(config))
 
 
 def gemm_plan(M: int, N: int, K_dim: int, k: int, sm_count: int = 0, device=None) -> tuple[int, int]:
     """(config, k splits) the fused kernel's dispatcher picks for this call on ``device`` (the current one by
     default; ``sm_count`` > 0 plans for that many SMs instead of the device's), for benchmarks and tests."""
-    lib = get_lib()
-    lib.ckbit_gemm_plan.restype = ct.c_int
-    lib.ckbit_gemm_plan.argtypes = [ct.c_int] * 5
     index = torch.device(device if device is not None else torch.cuda.current_device()).index
     index = torch.cuda.current_device() if index is None else index
     with torch.cuda.device(index):
-        plan = lib.ckbit_gemm_plan(M, N, K_dim, k, sm_count or _sm_count(index))
+        plan = _entry("ckbit_gemm_plan")(M, N, K_dim, k, sm_count or _sm_count(index))
     return plan % 256, plan // 256
 
 
 def _dequantize_tiled_block(B_packed, B_absmax, codebook, k, N, K_dim, n_begin, n_end, k_begin, k_end, out) -> None:
     """W[n_begin:n_end, k_begin:k_end] into the contiguous ``out`` (n_begin % 16 == 0, k_begin % 128 == 0)."""
-    fn = _entry(
-        "cdequantize_tiled_{dtype}_{absmax}_k{k}",
-        dtype=_GEMM_DTYPE_NAME[out.dtype],
-        absmax=_GEMM_ABSMAX_NAME[B_absmax.dtype],
-        k=k,
-    )
     with torch.cuda.device(out.device):
         _call(
             "dequantize_kbit_tiled",
-            fn,
+            "ckbit_dequantize_tiled",
+            k,
+            _DTYPE_CODE[out.dtype],
+            _ABSMAX_CODE[B_absmax.dtype],
             _ptr(B_packed),
             _ptr(B_absmax),
             _ptr(codebook),
@@ -428,28 +356,16 @@ def _staged_gemm(A2, B_packed, B_absmax, codebook, k, N, K_dim, bias, C2) -> Non
                 torch.mm(A_part, W.t(), out=C2)
 
 
-def _staged_preferred(lib, device, M, N, K_dim, k, sms) -> bool:
+def _staged_preferred(device, M, N, K_dim, k, sms) -> bool:
     """The native dispatcher's choice between the staged path and the fused kernel (its cost model's prediction
     for each) from STAGED_MIN_M tokens."""
-    lib.ckbit_gemm_staged_preferred.restype = ct.c_int
-    lib.ckbit_gemm_staged_preferred.argtypes = [ct.c_int] * 5
     with torch.cuda.device(device):
-        return bool(lib.ckbit_gemm_staged_preferred(M, N, K_dim, k, sms))
-
-
-@functools.cache
-def _gemm_entry(dtype: torch.dtype, absmax_dtype: torch.dtype, k: int) -> ct._CFuncPtr:
-    return _entry(
-        "ckbit_gemm_{dtype}_{absmax}_k{k}", dtype=_GEMM_DTYPE_NAME[dtype], absmax=_GEMM_ABSMAX_NAME[absmax_dtype], k=k
-    )
+        return bool(_entry("ckbit_gemm_staged_preferred")(M, N, K_dim, k, sms))
 
 
 @functools.lru_cache(maxsize=4096)
 def _workspace_bytes(M: int, N: int, K_dim: int, k: int, sms: int) -> int:
-    lib = get_lib()
-    lib.ckbit_gemm_workspace_bytes.restype = ct.c_size_t
-    lib.ckbit_gemm_workspace_bytes.argtypes = [ct.c_int] * 5
-    return lib.ckbit_gemm_workspace_bytes(M, N, K_dim, k, sms)
+    return _entry("ckbit_gemm_workspace_bytes")(M, N, K_dim, k, sms)
 
 
 def kbit_gemm_cuda(
@@ -460,7 +376,8 @@ def kbit_gemm_cuda(
     path: "auto" (the fused kernel below STAGED_MIN_M tokens; from there, whichever the native dispatcher's cost
     model predicts faster), "fused" or "staged".
     config forces one compiled configuration of the fused kernel (-1: its dispatcher picks) and
-    sm_count overrides the SM count it plans with, so tests reach every config and split on any GPU.
+    sm_count overrides the SM count it plans with, so tests reach every config and split on any GPU; both go
+    through the library's test hook (ckbit_gemm_set_test_override), set for this call only.
 
     This is the whole host path of a decode-time call, so it does only what each call needs: cached entry
     points, workspace sizes and SM counts, plain ints for the pointers, and a device switch only when A is
@@ -477,21 +394,21 @@ def kbit_gemm_cuda(
     index = A.get_device()
     sms = sm_count or _sm_count(index)
     staged = path == "staged" or (
-        path == "auto"
-        and config < 0
-        and M >= STAGED_MIN_M
-        and _staged_preferred(get_lib(), A.device, M, N, K_dim, k, sms)
+        path == "auto" and config < 0 and M >= STAGED_MIN_M and _staged_preferred(A.device, M, N, K_dim, k, sms)
     )
     if staged:
         _staged_gemm(A2.view(M, K_dim), B_packed, B_absmax, codebook, k, N, K_dim, bias, out.view(M, N))
         return
-    fn = _gemm_entry(A.dtype, B_absmax.dtype, k)
+    fn = _entry("ckbit_gemm")
     ws_bytes = _workspace_bytes(M, N, K_dim, k, sms)
     stream = torch._C._cuda_getCurrentRawStream(index)
     ws = _workspaces.get((index, stream))
     if ws is None or ws.numel() < ws_bytes or torch._C._cuda_isCurrentStreamCapturing():
         ws = _workspace(A.device, stream, ws_bytes)
     args = (
+        k,
+        _DTYPE_CODE[A.dtype],
+        _ABSMAX_CODE[B_absmax.dtype],
         A2.data_ptr(),
         B_packed.data_ptr(),
         B_absmax.data_ptr(),
@@ -505,17 +422,30 @@ def kbit_gemm_cuda(
         lda,
         ws.data_ptr(),
         ws.numel(),
-        sms,
-        config,
         stream,
     )
-    if torch._C._cuda_getDevice() == index:
-        err = fn(*args)
+    if config >= 0 or sm_count > 0:
+        _gemm_with_test_override(fn, args, index, config, sm_count)
+    elif torch._C._cuda_getDevice() == index:
+        if fn(*args) != 0:
+            _raise("kbit_gemm")
     else:
         with torch.cuda.device(index):
+            if fn(*args) != 0:
+                _raise("kbit_gemm")
+
+
+def _gemm_with_test_override(fn, args, index: int, config: int, sm_count: int) -> None:
+    """One ckbit_gemm call under the test hook (a forced config and/or SM count), cleared again whatever happens."""
+    hook = _entry("ckbit_gemm_set_test_override")
+    with torch.cuda.device(index):
+        hook(config, sm_count)
+        try:
             err = fn(*args)
-    if err != 0:
-        _raise("kbit_gemm", fn, err)
+        finally:
+            hook(-1, -1)
+        if err != 0:
+            _raise("kbit_gemm")
 
 
 @register_kernel("bitsandbytes::kbit_gemm", "cuda")

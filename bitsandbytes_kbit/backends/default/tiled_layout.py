@@ -93,7 +93,7 @@ def _indices_to_flat(idx: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def repack_kbit_reference(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, k: int, N: int, K_dim: int):
-    """Flat -> tiled, bit-exact with ckbit_repack_k{k}_*. Returns (B_packed int32, B_absmax same dtype)."""
+    """Flat -> tiled, bit-exact with the CUDA ckbit_repack. Returns (B_packed int32, B_absmax same dtype)."""
     assert K_dim % BLOCK_ELEMS == 0, f"K_dim={K_dim} is not a multiple of {BLOCK_ELEMS}"
     dev = packed_flat.device
     n16, k_steps = (N + UNIT_ROWS - 1) // UNIT_ROWS, (K_dim + UNIT_K - 1) // UNIT_K
