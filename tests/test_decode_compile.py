@@ -170,3 +170,81 @@ def test_cuda_compiled_decode_step_captured_in_a_cuda_graph(k, B, caplog):
             assert torch.equal(comp.pos, eager.pos) and torch.equal(comp.mask, eager.mask)
         assert sum(counters["graph_break"].values()) == breaks
     assert not [r for r in caplog.records if "skipping cudagraph" in r.getMessage().lower()]
+
+
+def test_usage_recipe_matches_generate_on_cpu(monkeypatch):
+    """The code of docs/usage.md "Fastest decode with CUDA graphs", run as written on the CPU (torch.cuda's stream and
+    graph calls stubbed: "replay" runs the compiled step), gives the greedy tokens of generate() for two prompts of
+    different lengths through the one compiled step."""
+    import contextlib
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")
+    with open(path) as f:
+        text = f.read()
+    section = text[text.index("### Fastest decode with CUDA graphs") :]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    assert "cache.reset()" in code and "torch.compile(step" in code and "graph.replay()" in code
+
+    namespace = {}
+
+    class _Graph:
+        def replay(self):
+            namespace["compiled_step"]()
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+
+    model = _kbit_llama(3, fused=False, seed=3)
+    torch._dynamo.reset()
+    gen_kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    for n, (prompt_len, new) in enumerate([(7, 6), (4, 5)]):
+        input_ids = torch.randint(1, 128, (2, prompt_len), generator=seeded("recipe", n))
+        if n == 0:
+            namespace.update(model=model, batch_size=2, input_ids=input_ids, max_new_tokens=new)
+            exec(code.replace("max_len = 2048", "max_len = 32"), namespace)  # noqa: S102  (the documented code)
+            generated = namespace["generated"]
+        else:  # the same compiled step for another prompt: prefill, then replay
+            ns = namespace
+            with torch.no_grad():
+                ns["prefill"](input_ids)
+                out = [ns["tok"].clone()]
+                for _ in range(new - 1):
+                    ns["graph"].replay()
+                    out.append(ns["tok"].clone())
+            generated = torch.cat(out, dim=1)
+        with torch.no_grad():
+            ref = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                output_scores=True,
+                return_dict_in_generate=True,
+                **gen_kwargs,
+            )
+        _assert_same_greedy_tokens(generated, ref.sequences[:, prompt_len:], ref.scores, n)
+
+
+def _assert_same_greedy_tokens(got, ref, scores, what):
+    """Each sequence's tokens equal generate()'s, or up to a first difference where generate()'s logits are a near-tie
+    between the two tokens (margin within the rounding bound of the module docstring); after it the histories
+    differ, so the rest of that sequence is not compared."""
+    assert got.shape == ref.shape
+    for b in range(got.shape[0]):
+        diff = (got[b] != ref[b]).nonzero()
+        if diff.numel() == 0:
+            continue
+        i = int(diff[0])
+        logits = scores[i][b].float()
+        margin = (logits[ref[b, i]] - logits[got[b, i]]).item()
+        bound = 4 * 2**-8 * logits.abs().max().item()
+        assert margin <= bound, f"{what}: sequence {b} parts from generate() at token {i}, margin {margin:.3g} > {bound:.3g}"
