@@ -149,7 +149,8 @@ def test_decode_tiny_on_cpu(tmp_path, capsys):
 
 @pytest.mark.cuda
 def test_decode_tiny_cuda_graph(tmp_path, capsys):
-    """On a GPU: mode (c) captures a CUDA graph for every format, and every mode and format runs."""
+    """On a GPU: mode (c) compiles the step and captures a CUDA graph for every format, and every mode and format
+    runs (each (b) and (c) cell compiles: ~1-2 min in all)."""
     import bench_decode
 
     out = tmp_path / "d.json"
@@ -165,7 +166,7 @@ def test_decode_tiny_cuda_graph(tmp_path, capsys):
             "--new-tokens",
             "8",
             "--formats",
-            "bf16,nf4,k2,k4",
+            "bf16,nf4,k4",
             "--modes",
             "a,b,c",
             "--json",
@@ -176,7 +177,7 @@ def test_decode_tiny_cuda_graph(tmp_path, capsys):
     # Mode b at batch > 1 can fail inside torch 2.11's inductor cudagraph trees ("length mismatch between inputs,
     # recorded_data_ptr, and placeholders") for NF4 and k-bit alike; the bench reports such a cell and goes on.
     # Every other cell must run.
-    assert len(rows) == 24, len(rows)
+    assert len(rows) == 18, len(rows)
     ok = [r for r in rows if not (r["mode"] == "b" and r["batch"] > 1)]
     assert all("error" not in r for r in ok), [r.get("error") for r in ok]
     graph_rows = [r for r in rows if r["mode"] == "c"]
