@@ -1,7 +1,8 @@
 """Decode speed of a transformers LlamaForCausalLM of Llama-3-8B shape (random weights) in bf16, NF4 and k = 2..5.
 
     python benchmarking/bench_decode.py [--layers 32] [--formats bf16,nf4,k2,k3,k4,k5] [--modes a,b,c]
-        [--batch 1,16] [--new-tokens 64] [--prompt-len 16] [--json out.json] [--plot out.png]
+        [--batch 1,16] [--new-tokens 64] [--prompt-len 16] [--compile-mode default]
+        [--json out.json] [--plot out.png]
     python benchmarking/bench_decode.py --tiny --device cpu      # the same code paths on a tiny model (no GPU)
 
 Models (one per format, built one after the other from the same seed, on the GPU, with random init):
@@ -14,11 +15,13 @@ Models (one per format, built one after the other from the same seed, on the GPU
 Modes (time per generated token, prefill excluded: (a, b) generate() of N + 1 tokens, a logits processor stamps
 each step after a device sync, time = (last stamp - first) / N; (c) the replay loop of N steps is timed):
   a  model.generate() eager, default (dynamic) cache
-  b  model.generate(cache_implementation="static"): transformers compiles the forward itself; the log of
-     torch's perf hints is captured and every "skipping cudagraphs" line is counted and printed
+  b  model.generate(cache_implementation="static"): transformers compiles the forward itself
   c  one decode step (StaticCache, one token with cache_position, a prepared 4D attention mask, in-place updated
-     input buffers, greedy argmax) captured in a torch.cuda.CUDAGraph and replayed per token; its first greedy
-     tokens are compared with those of (a). Needs CUDA: on the CPU the step runs eagerly (said in the output).
+     input buffers, greedy argmax) compiled by torch.compile (inductor without its own CUDA graphs; --compile-mode)
+     and captured in a torch.cuda.CUDAGraph, replayed per token: the recipe of docs/usage.md. Its first greedy
+     tokens are compared with those of (a). On the CPU the compiled step runs without a graph (said in the output).
+For (b) and (c) the bench counts, from torch's own counters and logs, the graph breaks, the graphs compiled and the
+"skipping cudagraphs" lines (a second table and the JSON); each of these cells starts from torch._dynamo.reset().
 tokens/s is per sequence (a batch of 16 makes 16 times as many tokens); the ratio is against bf16 on the same
 mode and batch.
 """
@@ -168,30 +171,47 @@ def cache_kwarg(model):
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def compile_counts():
+    """torch's own counters: (graph breaks, graphs compiled, compiled graphs that skipped CUDA graphs)."""
+    from torch._dynamo.utils import counters
+
+    return (
+        sum(counters["graph_break"].values()),
+        int(counters["stats"]["unique_graphs"]),
+        int(counters["inductor"]["cudagraph_skips"]),
+    )
+
+
 @torch.no_grad()
-def graph_decode(model, prompt, n_new, device):
-    """Mode (c): prefill eagerly into a StaticCache, then one captured CUDA graph per decode step (on the CPU the
-    same step runs eagerly). Returns (seconds per new token, the generated tokens, whether a graph was used)."""
+def graph_decode(model, prompt, n_new, device, compile_mode):
+    """Mode (c): the decode step compiled by torch.compile (inductor, without its own CUDA graphs) and captured in
+    one torch.cuda.CUDAGraph, replayed per token (on the CPU the compiled step runs as is). Returns (seconds per new
+    token, the generated tokens, whether a CUDA graph was used, seconds spent compiling and capturing)."""
     from transformers import StaticCache
 
     B, P = prompt.shape
     max_len = P + n_new + 8
     cache = StaticCache(config=model.config, max_cache_len=max_len)
-    # prefill (not timed): its greedy token is the first generated one, as in generate()
-    mask = torch.zeros(B, 1, 1, max_len, dtype=torch.bool, device=device)  # True = attend; prepared 4D: used as is
-    prefill_mask = torch.ones(P, max_len, dtype=torch.bool, device=device).tril(0)[None, None].expand(B, 1, P, max_len)
     ck = cache_kwarg(model)
-    out = model(
-        prompt,
-        **{ck: cache},
-        cache_position=torch.arange(P, device=device),
-        attention_mask=prefill_mask,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    mask[..., :P] = True
-    tok = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]: the static input buffer of the step
-    pos = torch.tensor([P], device=device)  # cache_position, advanced in place by the step
+    prefill_mask = torch.ones(P, max_len, dtype=torch.bool, device=device).tril(0)[None, None].expand(B, 1, P, max_len)
+
+    def prefill():
+        """Eager prefill into the (reset) cache; its greedy token is the first generated one, as in generate()."""
+        cache.reset()
+        out = model(
+            prompt,
+            **{ck: cache},
+            cache_position=torch.arange(P, device=device),
+            attention_mask=prefill_mask,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    # the step's static input buffers: the current token, its position, the 4D mask (True = attend; used as is)
+    tok = prefill()
+    pos = torch.tensor([P], device=device)
+    mask = torch.zeros(B, 1, 1, max_len, dtype=torch.bool, device=device)
 
     def step():
         mask.index_fill_(-1, pos, True)  # the new token attends to itself
@@ -207,33 +227,43 @@ def graph_decode(model, prompt, n_new, device):
         tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
         pos.add_(1)
 
-    tokens = torch.empty(B, n_new + 1, dtype=torch.long, device=device)
-    tokens[:, :1] = tok
+    torch._dynamo.reset()  # a fresh compile per format and batch (Dynamo's recompile limit would stop at 8)
+    t_compile = time.perf_counter()
+    compiled = torch.compile(step, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
     use_graph = torch.device(device).type == "cuda"
     if use_graph:
-        # warm-up on a side stream (runs the step at position P, which the first replay writes again), then capture
-        state = (tok.clone(), pos.clone(), mask.clone())
+        # compile and warm up on a side stream (the k-bit layers, cuBLAS and the Triton kernels set up their state),
+        # then capture one step
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):
-                step()
-                tok.copy_(state[0]), pos.copy_(state[1]), mask.copy_(state[2])
+            for _ in range(3):
+                compiled()
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step()
-        tok.copy_(state[0]), pos.copy_(state[1]), mask.copy_(state[2])
+            compiled()
         run_step = graph.replay
     else:
-        run_step = step
+        compiled()
+        run_step = compiled
+    sync(device)
+    t_compile = time.perf_counter() - t_compile
+    # the warm-up advanced the cache (its write position is a tensor inside it): reset it in place, prefill again,
+    # and set the buffers the graph reads
+    tok.copy_(prefill())
+    pos.fill_(P)
+    mask.zero_()
+    mask[..., :P] = True
+    tokens = torch.empty(B, n_new + 1, dtype=torch.long, device=device)
+    tokens[:, :1] = tok
     sync(device)
     t0 = time.perf_counter()
     for i in range(n_new):
         run_step()
         tokens[:, i + 1 : i + 2].copy_(tok)
     sync(device)
-    return (time.perf_counter() - t0) / n_new, tokens, use_graph
+    return (time.perf_counter() - t0) / n_new, tokens, use_graph, t_compile
 
 
 class SkipCounter(logging.Handler):
@@ -274,16 +304,6 @@ def attach_skip_counter(counter):
     return loggers
 
 
-def cudagraph_skip_counter():
-    """torch's own count of compiled graphs that skipped CUDA graphs (bumped with each "skipping cudagraphs")."""
-    try:
-        from torch._dynamo.utils import counters
-
-        return int(counters["inductor"]["cudagraph_skips"])
-    except Exception:  # noqa: BLE001  (a torch without this counter: the log lines still count)
-        return 0
-
-
 def parse_list(text, flag, allowed=None, cast=str):
     try:
         values = [cast(x.strip()) for x in text.split(",") if x.strip()]
@@ -304,6 +324,12 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=("default", "max-autotune-no-cudagraphs"),
+        help="torch.compile mode of the (c) step (inductor's own CUDA graphs stay off: (c) captures its own)",
+    )
     p.add_argument("--tiny", action="store_true", help="toy widths (a check of the code paths, e.g. on the CPU)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -318,10 +344,60 @@ def parse_args(argv=None):
     return args
 
 
+def run_cell(model, fmt, mode, B, prompt, args, skips, ref_tokens):
+    """One (format, mode, batch) cell: its result row (with the compile checks for modes b and c) and the generated
+    tokens. Modes b and c start from a fresh Dynamo state and count what torch reports while they run."""
+    row = {"format": fmt, "mode": mode, "batch": B}
+    n_lines, counts = len(skips.lines), compile_counts()
+    if mode == "a":
+        s_tok, tokens = generate_timed(model, prompt, args.new_tokens, False, args.device)
+    elif mode == "b":
+        torch._dynamo.reset()  # transformers compiles the forward for this model (recompile limit: 8 per code)
+        s_tok, tokens = generate_timed(model, prompt, args.new_tokens, True, args.device)
+    else:
+        s_tok, tokens, used, t_compile = graph_decode(model, prompt, args.new_tokens, args.device, args.compile_mode)
+        row["cuda_graph"] = used
+        row["compile_s"] = t_compile
+        print(
+            f"  [{fmt} B={B} c] step compiled (torch.compile mode={args.compile_mode}) and "
+            + (
+                "captured in a CUDA graph, replayed for every decode step"
+                if used
+                else "run as compiled (no CUDA device: CUDA graphs skipped)"
+            )
+            + f"; compile and capture {t_compile:.1f} s"
+        )
+        if ref_tokens is not None:
+            n = min(CHECK_TOKENS, tokens.shape[1], ref_tokens.shape[1])
+            same = (tokens[:, :n] == ref_tokens[:, :n]).all(0).tolist()
+            agree = same.index(False) if False in same else n
+            row["tokens_match_a"] = agree
+            print(
+                f"  [{fmt} B={B} c] first {n} greedy tokens against (a): {agree} of {n} agree"
+                + (
+                    ""
+                    if agree == n
+                    else " (the compiled step rounds bf16 differently from eager; on random weights a near-tie"
+                    " can flip)"
+                )
+            )
+    row["ms_per_token"] = s_tok * 1e3
+    row["tokens_per_s"] = 1.0 / s_tok
+    if mode in ("b", "c"):
+        breaks, graphs, skipped = (now - before for now, before in zip(compile_counts(), counts))
+        if mode == "b" and graphs == 0:
+            print(f"  [{fmt} B={B} b] transformers did not compile the forward here (it does so on CUDA devices)")
+        row["graph_breaks"] = breaks
+        row["compiled_graphs"] = graphs
+        row["inductor_cudagraph_skips"] = skipped
+        row["skipping_cudagraphs_lines"] = skips.lines[n_lines:]
+    return row, tokens
+
+
 def main(argv=None):
     args = parse_args(argv)
     skips = SkipCounter()
-    if "b" in args.modes:
+    if "b" in args.modes or "c" in args.modes:
         try:  # torch's perf hints / cudagraphs logs carry the "skipping cudagraphs" lines; they go to stderr too
             torch._logging.set_logs(perf_hints=True, cudagraphs=True)
         except Exception as exc:  # noqa: BLE001  (an older torch without this artifact: the count stays 0)
@@ -341,60 +417,27 @@ def main(argv=None):
         for B in args.batch:
             ref_tokens = None
             for mode in args.modes:
-                n_skips, n_counted = len(skips.lines), cudagraph_skip_counter()
                 t_mode = time.time()
-                row = {"format": fmt, "mode": mode, "batch": B}
                 try:
-                    if mode in ("a", "b"):
-                        s_tok, tokens = generate_timed(model, prompts[B], args.new_tokens, mode == "b", args.device)
-                        if mode == "a":
-                            ref_tokens = tokens
-                    else:
-                        s_tok, tokens, used = graph_decode(model, prompts[B], args.new_tokens, args.device)
-                        row["cuda_graph"] = used
-                        print(
-                            f"  [{fmt} B={B} c] "
-                            + (
-                                "CUDA graph captured and replayed for every decode step"
-                                if used
-                                else "no CUDA device: CUDA graphs skipped, the same step ran eagerly"
-                            )
-                        )
-                        if ref_tokens is not None:
-                            n = min(CHECK_TOKENS, tokens.shape[1], ref_tokens.shape[1])
-                            same = (tokens[:, :n] == ref_tokens[:, :n]).all(0).tolist()
-                            agree = same.index(False) if False in same else n
-                            row["tokens_match_a"] = agree
-                            print(
-                                f"  [{fmt} B={B} c] first {n} greedy tokens against (a): {agree} of {n} agree"
-                                + (
-                                    ""
-                                    if agree == n
-                                    else " (bf16 rounding differs between the dynamic and the static"
-                                    " cache paths; on random weights a near-tie can flip)"
-                                )
-                            )
+                    row, tokens = run_cell(model, fmt, mode, B, prompts[B], args, skips, ref_tokens)
                 except Exception as exc:  # noqa: BLE001  (one failing cell is reported, the others still run)
                     print(f"  [{fmt} B={B} {mode}] FAILED: {type(exc).__name__}: {exc}", flush=True)
-                    row["error"] = f"{type(exc).__name__}: {exc}"
-                    results.append(row)
+                    results.append({"format": fmt, "mode": mode, "batch": B, "error": f"{type(exc).__name__}: {exc}"})
                     continue
-                row["ms_per_token"] = s_tok * 1e3
-                row["tokens_per_s"] = 1.0 / s_tok
-                if mode == "b":
-                    row["skipping_cudagraphs_lines"] = skips.lines[n_skips:]
-                    row["inductor_cudagraph_skips"] = cudagraph_skip_counter() - n_counted
+                if mode == "a":
+                    ref_tokens = tokens
                 results.append(row)
                 extra = ""
-                if mode == "b":
-                    new = skips.lines[n_skips:]
+                if mode in ("b", "c"):
+                    lines = row["skipping_cudagraphs_lines"]
                     extra = (
-                        f"; inductor cudagraph_skips counter +{row['inductor_cudagraph_skips']}, 'skipping cudagraphs'"
-                        f" log lines: {len(new)}" + (f" (first: {new[0]})" if new else "")
+                        f"; graph breaks {row['graph_breaks']}, graphs compiled {row['compiled_graphs']}, inductor"
+                        f" cudagraph_skips +{row['inductor_cudagraph_skips']}, 'skipping cudagraphs' log lines"
+                        f" {len(lines)}" + (f" (first: {lines[0]})" if lines else "")
                     )
                 print(
-                    f"  [{fmt} B={B} {mode}] {s_tok * 1e3:.2f} ms/token, {1 / s_tok:.1f} tokens/s per sequence"
-                    f" ({time.time() - t_mode:.0f} s){extra}",
+                    f"  [{fmt} B={B} {mode}] {row['ms_per_token']:.2f} ms/token, {row['tokens_per_s']:.1f} tokens/s"
+                    f" per sequence ({time.time() - t_mode:.0f} s){extra}",
                     flush=True,
                 )
         del model
@@ -407,10 +450,12 @@ def main(argv=None):
                 {
                     "gpu": gpu,
                     "torch": torch.__version__,
+                    "transformers": transformers_version(),
                     "layers": args.layers or None,
                     "tiny": args.tiny,
                     "new_tokens": args.new_tokens,
                     "prompt_len": args.prompt_len,
+                    "compile_mode": args.compile_mode,
                     "builds": builds,
                     "results": results,
                 },
@@ -421,6 +466,12 @@ def main(argv=None):
         plot(results, args, gpu)
 
 
+def transformers_version():
+    import transformers
+
+    return transformers.__version__
+
+
 def ratio_vs_bf16(results, row):
     base = [r for r in results if r["format"] == "bf16" and r["mode"] == row["mode"] and r["batch"] == row["batch"]]
     if not base or "tokens_per_s" not in base[0] or "tokens_per_s" not in row:
@@ -429,10 +480,11 @@ def ratio_vs_bf16(results, row):
 
 
 def print_table(results, args, gpu):
-    names = {"a": "(a) generate eager", "b": "(b) generate static", "c": "(c) CUDA graph"}
+    names = {"a": "(a) generate eager", "b": "(b) generate static", "c": "(c) compiled + CUDA graph"}
     print(
-        f"\ndecode, {gpu}, {args.layers or ('2' if args.tiny else '32')} layers{' (tiny)' if args.tiny else ''}, "
-        f"{args.new_tokens} new tokens, tokens/s per sequence (x bf16 on the same mode and batch)\n"
+        f"\ndecode, {gpu}, torch {torch.__version__}, {args.layers or ('2' if args.tiny else '32')} layers"
+        f"{' (tiny)' if args.tiny else ''}, {args.new_tokens} new tokens, tokens/s per sequence (x bf16 on the same"
+        " mode and batch)\n"
     )
     cols = [(m, B) for m in args.modes for B in args.batch]
     print("| format | " + " | ".join(f"{names[m]} B={B}" for m, B in cols) + " |")
@@ -446,6 +498,24 @@ def print_table(results, args, gpu):
                 continue
             ratio = ratio_vs_bf16(results, row)
             cells.append(f"{row['tokens_per_s']:.1f}" + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+        print(f"| {fmt} | " + " | ".join(cells) + " |")
+    compiled = [(m, B) for m, B in cols if m in ("b", "c")]
+    if not compiled:
+        return
+    print("\ncompile checks: graph breaks / graphs compiled / 'skipping cudagraphs' lines (c: + CUDA graph used)\n")
+    print("| format | " + " | ".join(f"{names[m]} B={B}" for m, B in compiled) + " |")
+    print("|---|" + "---|" * len(compiled))
+    for fmt in args.formats:
+        cells = []
+        for m, B in compiled:
+            row = next((r for r in results if r["format"] == fmt and r["mode"] == m and r["batch"] == B), None)
+            if row is None or "graph_breaks" not in row:
+                cells.append("failed" if row else "-")
+                continue
+            cell = f"{row['graph_breaks']} / {row['compiled_graphs']} / {len(row['skipping_cudagraphs_lines'])}"
+            if m == "c":
+                cell += " / graph" if row["cuda_graph"] else " / no graph (cpu)"
+            cells.append(cell)
         print(f"| {fmt} | " + " | ".join(cells) + " |")
 
 
