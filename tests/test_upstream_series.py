@@ -169,6 +169,15 @@ def test_rename_keeps_the_quant_method_name():
     assert "from ._kbit_format import X" in renamed and 'QUANT = "bitsandbytes_kbit"' in renamed
 
 
+def test_rename_maps_every_import_of_the_cpu_module():
+    text = "from bitsandbytes_kbit import _cpu\nfrom .. import _cpu\nfrom bitsandbytes_kbit._cpu import find_library\n"
+    assert export_series.rename_python(text).splitlines() == [
+        "from bitsandbytes import _kbit_cpu as _cpu",
+        "from .. import _kbit_cpu as _cpu",
+        "from bitsandbytes._kbit_cpu import find_library",
+    ]
+
+
 def test_export_refuses_a_directory_that_is_not_upstream(tmp_path):
     if export_series.find_clang_format() is None:
         pytest.skip("needs clang-format")

@@ -81,7 +81,7 @@ def rename_python(text: str) -> str:
     text = text.replace(f'"{PKG}"', keep)
     text = re.sub(r"(from \.+)_format import", r"\1_kbit_format import", text)
     text = re.sub(rf"\b{PKG}\._format\b", "bitsandbytes._kbit_format", text)
-    text = re.sub(r"(from \.+) import _cpu\b", r"\1 import _kbit_cpu as _cpu", text)
+    text = re.sub(rf"(from (?:\.+|{PKG})) import _cpu\b", r"\1 import _kbit_cpu as _cpu", text)
     text = re.sub(rf"\b{PKG}\._cpu\b", "bitsandbytes._kbit_cpu", text)
     return re.sub(rf"\b{PKG}\b", "bitsandbytes", text).replace(keep, f'"{PKG}"')
 
@@ -539,7 +539,7 @@ def clang_format(repo: Path, files: list[str]) -> None:
 def export(upstream: Path, out: Path) -> list[Path]:
     if find_clang_format() is None:
         raise ExportError("clang-format was not found (pip install 'clang-format>=20,<21', upstream's version)")
-    upstream = upstream.resolve()
+    upstream, out = upstream.resolve(), out.resolve()  # git runs in the clone: a relative --out would land there
     if not (upstream / ".git").exists():
         raise ExportError(f"--upstream={upstream} is not a git checkout (no .git)")
     missing = [f for f in UPSTREAM_REQUIRED if not (upstream / f).is_file()]
