@@ -104,7 +104,8 @@ template <int K_BITS> struct TiledFormat {
     static constexpr int NV4 = LANE_WORDS / 4;
     static constexpr int HAS_V2 = (LANE_WORDS % 4) != 0;
     static_assert(LANE_WORDS % 2 == 0, "tail chunk is one uint2");
-    static constexpr bool QUAD_TABLE = K_BITS == 2;  // k = 2: a quad LUT (not "QUAD": upstream kernels.cu #defines it)
+    // k = 2: the GEMM looks up quads (QUAD_LUT). Not named QUAD: upstream's kernels.cu #defines that.
+    static constexpr bool QUAD_TABLE = K_BITS == 2;
 };
 
 // word offset inside a unit of lane word lw of lane `lane`
