@@ -390,9 +390,9 @@ def cmake_edit(repo: Path):
     return [write(repo, "CMakeLists.txt", patch_cmake((repo / "CMakeLists.txt").read_text()))]
 
 
+# kbit_gemm.cuh comes with patch 1: it defines the tiled format that kernels.cu's tiled dequantize includes.
 GEMM_FILES = [
     "kbit_gemm.cu",
-    "kbit_gemm.cuh",
     "kbit_gemm_wgmma.cuh",
     "kbit_gemm_wgmma_ws.cuh",
     "kbit_dispatch_coef.inc",
@@ -425,6 +425,7 @@ def series() -> list[Step]:
                 merge_py(f"{PKG}/backends/cuda/ops.py", "bitsandbytes/backends/cuda/ops.py", port_cuda_ops),
                 merge_py(f"{PKG}/functional.py", "bitsandbytes/functional.py"),
                 append_cxx("csrc/kernels.cuh", "csrc/kernels.cuh", header=True),
+                copy_file("csrc/kbit_gemm.cuh", "csrc/kbit_gemm.cuh", port_cxx),
                 copy_file("csrc/kbit_tiled_unit.cuh", "csrc/kbit_tiled_unit.cuh", port_cxx),
                 append_cxx("csrc/kernels.cu", "csrc/kernels.cu", header=False),
                 conftest_edit,
