@@ -153,7 +153,8 @@ F.quantize_kbit, F.dequantize_kbit") || die "the tree at patch $((i + 1)) does n
         mapfile -t added < <(git -C "$tree" diff --name-only --diff-filter=A HEAD~1 -- 'tests/test_*.py')
         if ((i == 0)); then
             step "patch 1: upstream's CMake (not yet patched) compiles csrc/kernels.cu with the quantize kernels"
-            local extra1
+            local extra1 t1
+            t1="$(now)"
             mapfile -t extra1 < <(cublas_args "$work/cublas")
             (cd "$tree" && cmake -DCOMPUTE_BACKEND=cuda -DCOMPUTE_CAPABILITY=90 -DCMAKE_BUILD_TYPE=Release \
                 "${extra1[@]}" -S . -B "$work/build-patch1" >"$work/patch1_cmake.log" 2>&1 &&
@@ -161,7 +162,7 @@ F.quantize_kbit, F.dequantize_kbit") || die "the tree at patch $((i + 1)) does n
                 grep -m 20 "error" "$work/patch1_cmake.log" >&2 || true
                 die "patch 1: csrc/kernels.cu does not compile ($work/patch1_cmake.log)"
             }
-            echo "patch 1: csrc/kernels.cu compiled"
+            echo "patch 1: csrc/kernels.cu compiled in $(($(now) - t1)) s"
         fi
         if ((i + 1 < ${#patches[@]})) && ((${#added[@]})); then
             cpu_pytest "patch $((i + 1))" "$tree" "$work/prefix$((i + 1)).log" "${added[@]}"
@@ -169,6 +170,16 @@ F.quantize_kbit, F.dequantize_kbit") || die "the tree at patch $((i + 1)) does n
     done
     mapfile -t added < <(present_kbit_tests "$tree")
     cpu_pytest "full series, all k-bit tests" "$tree" "$work/kbit_cpu.log" "${added[@]}"
+
+    step "upstream's ruff and clang-format on every file the series adds or changes"
+    local py cxx clang
+    mapfile -t py < <(git -C "$tree" diff --name-only --diff-filter=AM "HEAD~${#patches[@]}" -- '*.py')
+    mapfile -t cxx < <(git -C "$tree" diff --name-only --diff-filter=AM "HEAD~${#patches[@]}" -- 'csrc/*')
+    clang="$(command -v clang-format || echo "$(dirname "$PYTHON")/clang-format")"
+    (cd "$tree" && "$PYTHON" -m ruff check --quiet "${py[@]}" && "$PYTHON" -m ruff format --check --quiet "${py[@]}" &&
+        "$clang" --dry-run --Werror --style=file "${cxx[@]}") || die "the series is not clean under upstream's style"
+    echo "clean: ${#py[@]} Python files (ruff check, ruff format), ${#cxx[@]} C++ files (clang-format $("$clang" \
+        --version | grep -oE '[0-9]+\.[0-9.]+' | head -1))"
 
     step "upstream's CMake: -DCOMPUTE_BACKEND=cuda -DCOMPUTE_CAPABILITY=90"
     local t1 extra

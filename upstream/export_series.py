@@ -216,11 +216,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # tests marked cuda (the k-bit kernel tests) need a GPU and the native library
+    # tests marked cuda (the k-bit kernel tests) need a GPU and the native library; the marker itself, not the
+    # keyword, which upstream's tests parametrized on device "cuda" also carry
     from tests.kbit_helpers import requires_cuda
 
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(requires_cuda)
 """
 
