@@ -104,7 +104,8 @@ template <int K_BITS> struct TiledFormat {
     static constexpr int NV4 = LANE_WORDS / 4;
     static constexpr int HAS_V2 = (LANE_WORDS % 4) != 0;
     static_assert(LANE_WORDS % 2 == 0, "tail chunk is one uint2");
-    static constexpr bool QUAD = K_BITS == 2;
+    // k = 2: the GEMM looks up quads (QUAD_LUT). Not named QUAD: upstream's kernels.cu #defines that.
+    static constexpr bool QUAD_TABLE = K_BITS == 2;
 };
 
 // word offset inside a unit of lane word lw of lane `lane`
@@ -128,7 +129,7 @@ inline void set_tiled_weight(W& w, const void* B_packed, const void* B_absmax, c
 }
 
 constexpr bool cp_async_wait_groups_supported(int n) { return n >= 0 && n <= 5; }
-constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
+__host__ __device__ constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
 
 // ---------------------------------------------------------------------------------------------
 // Kernel configuration
@@ -163,7 +164,7 @@ struct KbitGemmConfig {
     // served per half warp); k = 5 has 1024 entries: 4 copies (16 KB) in the per-warp configs, 8 (32 KB) in the
     // shared-A ones with weight rings in smem, 16 (64 KB) in the register- weight configs 2 and 3, whose smem holds
     // only the table and A (lanes l, l + 16 share a copy: 2-way conflicts at most, against 4-way with 8).
-    static constexpr bool QUAD_LUT = Fmt::QUAD;
+    static constexpr bool QUAD_LUT = Fmt::QUAD_TABLE;
     // build_lut: one entry per thread (shared-A and wgmma configs) or one 16-byte chunk per thread (per-warp configs)
     static constexpr bool LUT_BUILD_BY_ENTRY = SHARED_A_;
     static constexpr int LUT_ENTRIES = QUAD_LUT ? 256 : Fmt::LUT_ENTRIES;

@@ -389,3 +389,22 @@ def test_cuda_compile_fullgraph_no_graph_break():
     assert explanation.graph_break_count == 0, explanation.break_reasons
     compiled = torch.compile(model, fullgraph=True)
     torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)  # the same kernel on the same data
+
+
+@pytest.mark.parametrize("scale_method", ["mse", "absmax"])
+def test_linear_kbit_passes_scale_method(scale_method):
+    g = seeded("linear", scale_method)
+    lin = torch.nn.Linear(64, 24)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(24, 64, generator=g) * 0.02 / torch.rand(24, 64, generator=g).clamp_min(0.05))
+    expected, absmax, _cb = F.quantize_kbit(lin.weight.detach(), k=3, scale_method=scale_method)
+    module = LinearKbit.from_linear(lin, k=3, scale_method=scale_method)
+    assert torch.equal(module.weight, expected) and torch.equal(module.absmax, absmax)
+    assert torch.equal(module.codebook, F.create_codebook(F.DEFAULT_CODEBOOK[3], 3))
+    lazy = LinearKbit(64, 24, k=3, scale_method=scale_method)  # quantized by quantize_(), with its own method
+    with torch.no_grad():
+        lazy.weight.copy_(lin.weight)
+    lazy.quantize_()
+    assert torch.equal(lazy.weight, expected) and torch.equal(lazy.absmax, absmax)
+    with pytest.raises(RuntimeError, match="scale_method='best'"):
+        LinearKbit(64, 24, scale_method="best")

@@ -162,41 +162,6 @@ def test_cuda_mse_matches_cpu(k, absmax_format):
     assert float((p1.cpu() != p0).float().mean()) < 1e-3
 
 
-@pytest.mark.parametrize("scale_method", ["mse", "absmax"])
-def test_linear_kbit_passes_scale_method(scale_method):
-    from bitsandbytes_kbit.nn import LinearKbit
-
-    g = seeded("linear", scale_method)
-    lin = torch.nn.Linear(64, 24)
-    with torch.no_grad():
-        lin.weight.copy_(sample("t4", 64 * 24, g).view(24, 64))
-    expected, absmax, _cb = F.quantize_kbit(lin.weight.detach(), k=3, scale_method=scale_method)
-    module = LinearKbit.from_linear(lin, k=3, scale_method=scale_method)
-    assert torch.equal(module.weight, expected) and torch.equal(module.absmax, absmax)
-    assert torch.equal(module.codebook, F.create_codebook(F.DEFAULT_CODEBOOK[3], 3))
-    lazy = LinearKbit(64, 24, k=3, scale_method=scale_method)  # quantized by quantize_(), with its own method
-    with torch.no_grad():
-        lazy.weight.copy_(lin.weight)
-    lazy.quantize_()
-    assert torch.equal(lazy.weight, expected) and torch.equal(lazy.absmax, absmax)
-    with pytest.raises(RuntimeError, match="scale_method='best'"):
-        LinearKbit(64, 24, scale_method="best")
-
-
-def test_transformers_config_scale_method_and_default_codebook():
-    from bitsandbytes_kbit.integrations.transformers import BitsAndBytesKbitConfig
-
-    cfg = BitsAndBytesKbitConfig(bnb_kbit_bits=3)
-    assert cfg.bnb_kbit_codebook is None and cfg.bnb_kbit_scale_method == "mse"
-    assert torch.equal(cfg.codebook(), F.create_codebook(F.DEFAULT_CODEBOOK[3], 3))
-    d = cfg.to_dict()
-    assert d["bnb_kbit_scale_method"] == "mse"
-    again = BitsAndBytesKbitConfig(**{**d, "bnb_kbit_scale_method": "absmax", "bnb_kbit_codebook": "nf"})
-    assert again.bnb_kbit_scale_method == "absmax" and torch.equal(again.codebook(), F.create_codebook("nf", 3))
-    with pytest.raises(ValueError, match="bnb_kbit_scale_method='best'"):
-        BitsAndBytesKbitConfig(bnb_kbit_scale_method="best")
-
-
 def _block_err64(x, packed, absmax, cb, k):
     """float64 squared error per block over the real elements of x (any length)."""
     deq = F.dequantize_kbit(packed, absmax, cb, k, x.numel(), dtype=torch.float32).double()

@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported;
 import safetensors.torch as safetensors_torch
 import transformers
 
+import bitsandbytes_kbit.functional as F
 from bitsandbytes_kbit import integrations
 from bitsandbytes_kbit.integrations import BitsAndBytesKbitConfig
 from bitsandbytes_kbit.nn import LinearKbit
@@ -317,3 +318,15 @@ def test_cuda_device_map_over_two_gpus(float_dir):
     assert model.model.layers[0].mlp.up_proj.weight.device == torch.device("cuda", 0)
     ids = torch.tensor([[1, 2, 3, 4]], device="cuda:0")
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 8)
+
+
+def test_transformers_config_scale_method_and_default_codebook():
+    cfg = BitsAndBytesKbitConfig(bnb_kbit_bits=3)
+    assert cfg.bnb_kbit_codebook is None and cfg.bnb_kbit_scale_method == "mse"
+    assert torch.equal(cfg.codebook(), F.create_codebook(F.DEFAULT_CODEBOOK[3], 3))
+    d = cfg.to_dict()
+    assert d["bnb_kbit_scale_method"] == "mse"
+    again = BitsAndBytesKbitConfig(**{**d, "bnb_kbit_scale_method": "absmax", "bnb_kbit_codebook": "nf"})
+    assert again.bnb_kbit_scale_method == "absmax" and torch.equal(again.codebook(), F.create_codebook("nf", 3))
+    with pytest.raises(ValueError, match="bnb_kbit_scale_method='best'"):
+        BitsAndBytesKbitConfig(bnb_kbit_scale_method="best")

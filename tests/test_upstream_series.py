@@ -4,6 +4,7 @@ patched tree imports and quantizes like this package. Needs git, clang-format an
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -169,8 +170,37 @@ def test_rename_keeps_the_quant_method_name():
     assert "from ._kbit_format import X" in renamed and 'QUANT = "bitsandbytes_kbit"' in renamed
 
 
+def test_rename_maps_every_import_of_the_cpu_module():
+    text = "from bitsandbytes_kbit import _cpu\nfrom .. import _cpu\nfrom bitsandbytes_kbit._cpu import find_library\n"
+    assert export_series.rename_python(text).splitlines() == [
+        "from bitsandbytes import _kbit_cpu as _cpu",
+        "from .. import _kbit_cpu as _cpu",
+        "from bitsandbytes._kbit_cpu import find_library",
+    ]
+
+
 def test_export_refuses_a_directory_that_is_not_upstream(tmp_path):
     if export_series.find_clang_format() is None:
         pytest.skip("needs clang-format")
     with pytest.raises(export_series.ExportError, match=r"--upstream=.* is not a git checkout"):
         export_series.export(tmp_path, tmp_path / "out")
+
+
+@needs_tools
+def test_no_identifier_of_ours_is_an_upstream_macro(series):
+    """Our kernels and launchers are appended to upstream's kernels.cu / ops.cu, after every #define there, so a name
+    those files #define (kernels.cu's `#define QUAD 3`, say) would rewrite our identifier and break the build."""
+    upstream = series[0]
+    macros = {}
+    for name in ("kernels.cu", "ops.cu"):
+        for macro in re.findall(r"^\s*#\s*define\s+(\w+)", (upstream / "csrc" / name).read_text(), re.MULTILINE):
+            macros.setdefault(macro, name)
+    assert "QUAD" in macros  # the one this test was written for: the scan reads upstream's sources
+    ours = sorted(REPO_ROOT.glob("csrc/*.cu*")) + sorted(REPO_ROOT.glob("csrc/*.inc"))
+    clashes = []
+    for path in ours:
+        code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", path.read_text(), flags=re.DOTALL)
+        code = re.sub(r'"(?:\\.|[^"\\\n])*"', '""', code)
+        used = set(re.findall(r"\b[A-Za-z_]\w*\b", code))
+        clashes += [f"{path.name}: {name} ({macros[name]} #defines it)" for name in sorted(used & macros.keys())]
+    assert not clashes, clashes

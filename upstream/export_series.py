@@ -82,7 +82,7 @@ def rename_python(text: str) -> str:
     text = text.replace(f'"{PKG}"', keep)
     text = re.sub(r"(from \.+)_format import", r"\1_kbit_format import", text)
     text = re.sub(rf"\b{PKG}\._format\b", "bitsandbytes._kbit_format", text)
-    text = re.sub(r"(from \.+) import _cpu\b", r"\1 import _kbit_cpu as _cpu", text)
+    text = re.sub(rf"(from (?:\.+|{PKG})) import _cpu\b", r"\1 import _kbit_cpu as _cpu", text)
     text = re.sub(rf"\b{PKG}\._cpu\b", "bitsandbytes._kbit_cpu", text)
     return re.sub(rf"\b{PKG}\b", "bitsandbytes", text).replace(keep, f'"{PKG}"')
 
@@ -217,11 +217,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # tests marked cuda (the k-bit kernel tests) need a GPU and the native library
+    # tests marked cuda (the k-bit kernel tests) need a GPU and the native library; the marker itself, not the
+    # keyword, which upstream's tests parametrized on device "cuda" also carry
     from tests.kbit_helpers import requires_cuda
 
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(requires_cuda)
 """
 
@@ -391,9 +392,9 @@ def cmake_edit(repo: Path):
     return [write(repo, "CMakeLists.txt", patch_cmake((repo / "CMakeLists.txt").read_text()))]
 
 
+# kbit_gemm.cuh comes with patch 1: it defines the tiled format that kernels.cu's tiled dequantize includes.
 GEMM_FILES = [
     "kbit_gemm.cu",
-    "kbit_gemm.cuh",
     "kbit_gemm_wgmma.cuh",
     "kbit_gemm_wgmma_ws.cuh",
     "kbit_dispatch_coef.inc",
@@ -426,6 +427,7 @@ def series() -> list[Step]:
                 merge_py(f"{PKG}/backends/cuda/ops.py", "bitsandbytes/backends/cuda/ops.py", port_cuda_ops),
                 merge_py(f"{PKG}/functional.py", "bitsandbytes/functional.py"),
                 append_cxx("csrc/kernels.cuh", "csrc/kernels.cuh", header=True),
+                copy_file("csrc/kbit_gemm.cuh", "csrc/kbit_gemm.cuh", port_cxx),
                 copy_file("csrc/kbit_tiled_unit.cuh", "csrc/kbit_tiled_unit.cuh", port_cxx),
                 append_cxx("csrc/kernels.cu", "csrc/kernels.cu", header=False),
                 conftest_edit,
@@ -541,7 +543,7 @@ def clang_format(repo: Path, files: list[str]) -> None:
 def export(upstream: Path, out: Path) -> list[Path]:
     if find_clang_format() is None:
         raise ExportError("clang-format was not found (pip install 'clang-format>=20,<21', upstream's version)")
-    upstream = upstream.resolve()
+    upstream, out = upstream.resolve(), out.resolve()  # git runs in the clone: a relative --out would land there
     if not (upstream / ".git").exists():
         raise ExportError(f"--upstream={upstream} is not a git checkout (no .git)")
     missing = [f for f in UPSTREAM_REQUIRED if not (upstream / f).is_file()]
