@@ -362,8 +362,8 @@ __device__ __forceinline__ void ws_produce_weights(const KbitGemmParams& p, cons
 // arrives on t_empty of both CTAs); before it returns, the producer waits for the releases still to come, so that
 // no CTA exits while the other may still arrive on its barriers.
 // A box of half-tile rows that lies wholly past M is not loaded: the TMA's zero fill of such boxes is slow (it made the
-// whole kernel slower at M <= TOK / 2 than at M = TOK; docs/kernel.md). Its token rows keep stale shared memory, which
-// feeds only output columns m >= M, never stored (each token is its own column of the product).
+// whole kernel slower at M <= TOK / 2 than at M = TOK). Its token rows keep stale shared memory, which feeds only
+// output columns m >= M, never stored (each token is its own column of the product).
 template <class Cfg>
 __device__ __forceinline__ void ws_produce_tokens(const CUtensorMap* tmap, const WsSmem<Cfg>& sm, int M, int m_base,
                                                   int k_begin, int n_steps, bool multicast, bool half_boxes) {
@@ -415,7 +415,7 @@ __device__ __forceinline__ void ws_fetch_unit(uint32_t (&r_w)[Cfg::Fmt::LANE_WOR
     // The slot may be refilled once every consumer warp has arrived: each lane's loads have returned (their values fed
     // the lookups above), __syncwarp orders them before lane 0's arrive (release), and the producer issues its bulk
     // copy only after its wait on w_empty (acquire). compute-sanitizer racecheck does not model this order for bulk
-    // copies and reports every refill as a WAR hazard (benchmarking/sanitize_gpu.py, RACECHECK_MBARRIER_WAR).
+    // copies and reports every refill as a WAR hazard; the sanitizer script does not count exactly that report.
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.w_empty(ws));
 }
