@@ -413,6 +413,13 @@ def parse_args(argv=None):
     parser.add_argument("--sample", type=int, default=0, help="--suite models: this many shapes, spread over N*K")
     parser.add_argument("--part", default=None, help="--suite models: I/N, the I-th of N interleaved parts")
     parser.add_argument("--list", action="store_true", help="--suite models: list the chosen shapes and estimates")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="--suite models: start no shape that would end past this many seconds (estimate x 1.5); the summary, "
+        "JSON and plot cover the shapes run",
+    )
     parser.add_argument("--dry-run", action="store_true", help="no GPU: modelled times through the whole flow")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default=None)
@@ -460,6 +467,14 @@ def parse_args(argv=None):
     return args
 
 
+BUDGET_MARGIN = 1.5  # measured shape times ran up to 1.35x the roofline estimate (H200)
+
+
+def fits_budget(elapsed_s: float, estimate_s: float, budget_s: float) -> bool:
+    """Whether a shape estimated at estimate_s may start after elapsed_s of a --budget-s run (0: no budget)."""
+    return not budget_s or elapsed_s + BUDGET_MARGIN * estimate_s <= budget_s
+
+
 def main(argv=None):
     args = parse_args(argv)
     models = args.suite == "models"
@@ -503,7 +518,11 @@ def main(argv=None):
         )
         t0 = time.time()
         all_results = {}
-        for name, (N, K, _) in shapes.items():
+        for name, (N, K, _) in list(shapes.items()):
+            if models and not fits_budget(time.time() - t0, est[name], args.budget_s):
+                print(f"  ({name}: skipped, --budget-s {args.budget_s:.0f} would be exceeded)", flush=True)
+                del shapes[name]
+                continue
             t_shape = time.time()
             all_results[name] = bench_shape(name, N, K, ms, ks, dtype, bw, bnb, timing)
             if models:

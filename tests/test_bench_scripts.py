@@ -79,6 +79,12 @@ def test_models_suite_shapes_by_n_x_k():
     assert sorted((N, K) for N, K, _ in args.shape_table.values()) == [(1024, 2560), (4672, 4544)]
 
 
+def test_budget_stops_before_a_shape_that_would_overrun():
+    assert bench_kbit_gemm.fits_budget(0, 10, 0) and bench_kbit_gemm.fits_budget(100, 10, 0)  # no budget
+    assert bench_kbit_gemm.fits_budget(100, 10, 120)
+    assert not bench_kbit_gemm.fits_budget(100, 20, 120)  # 100 + 1.5 x 20 > 120
+
+
 def test_models_suite_dry_run(tmp_path, capsys):
     out = tmp_path / "r.json"
     bench_kbit_gemm.main(
