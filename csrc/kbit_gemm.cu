@@ -751,16 +751,6 @@ static size_t tiled_units(int N, int K_dim) {
 // 0, or 1 with the launchers' message moved to the ABI's error slot
 static int handed_over() { return g_last_error[0] != 0 ? report_error(nullptr, "%s", g_last_error) : 0; }
 
-template <typename F> static int with_gemm_k(const char* op, int k, F&& f) {
-    switch (k) {
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    }
-    return report_error(op, "k=%d, expected 2, 3, 4 or 5", k);
-}
-
 } // namespace kbit
 
 extern "C" {
@@ -773,7 +763,7 @@ int ckbit_repack(int k, int absmax_format, const int* packed_flat, const void* a
     if (absmax_format != KBIT_ABSMAX_E4M4 && absmax_format != KBIT_ABSMAX_FP16)
         return kbit::report_error("ckbit_repack", "absmax_format=%d, expected 0 (E4M4 uint8) or 1 (fp16)",
                                   absmax_format);
-    return kbit::with_gemm_k("ckbit_repack", k, [&](auto kb) {
+    return kbit::with_k("ckbit_repack", k, [&](auto kb) {
         constexpr int K_BITS = decltype(kb)::value;
         if (absmax_format == KBIT_ABSMAX_E4M4)
             kbit::repack<K_BITS, uint8_t>(packed_flat, absmax_flat, B_packed, B_absmax, N, K_dim, stream);
@@ -797,7 +787,7 @@ int ckbit_gemm(int k, int dtype, int absmax_format, const void* A, const int* B_
     if (absmax_format != KBIT_ABSMAX_E4M4 && absmax_format != KBIT_ABSMAX_FP16)
         return kbit::report_error(op, "absmax_format=%d, expected 0 (E4M4 uint8) or 1 (fp16)", absmax_format);
     const int sm_count = kbit::effective_sm_count(0);
-    return kbit::with_gemm_k(op, k, [&](auto kb) {
+    return kbit::with_k(op, k, [&](auto kb) {
         constexpr int K_BITS = decltype(kb)::value;
         if (codebook_len < 1 || codebook_len > (1 << K_BITS))
             return kbit::report_error(op, "codebook_len=%d, expected 1..%d (2^k for k=%d)", codebook_len, 1 << K_BITS,

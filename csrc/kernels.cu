@@ -296,9 +296,7 @@ __global__ void kQuantizeKbitMse(
         ABSMAX_T best_stored = stored_at(target, kCodes ? -below : -above);
         int best_idx = 0;
         float best_err = assign(AbsmaxCodec<ABSMAX_T>::decode(best_stored), best_idx);
-        // E4M4: codes ascending (lowest scale first); float: j = -above..below, the largest scale first
-        for (int j = kCodes ? -below + 1 : -above + 1; j <= (kCodes ? above : below); ++j) {
-            const ABSMAX_T st = stored_at(target, j);
+        const auto consider = [&](ABSMAX_T st) { // keeps the first of equal errors
             int idx;
             const float err = assign(AbsmaxCodec<ABSMAX_T>::decode(st), idx);
             if (err < best_err) {
@@ -306,23 +304,18 @@ __global__ void kQuantizeKbitMse(
                 best_idx = idx;
                 best_stored = st;
             }
-        }
+        };
+        // E4M4: codes ascending (lowest scale first); float: j = -above..below, the largest scale first
+        for (int j = kCodes ? -below + 1 : -above + 1; j <= (kCodes ? above : below); ++j)
+            consider(stored_at(target, j));
         // least-squares scale of the chosen assignment, then the stored values next to it
         const float q = valid ? s_code[best_idx] : 0.0f;
         const float qq = warp_sum(__fmul_rn(q, q));
         float ls = __fdiv_rn(warp_sum(__fmul_rn(x, q)), fmaxf(qq, 1e-30f));
         if (!(ls > 0.0f))
             ls = target;
-        for (int j = kCodes ? -1 : 0; j <= (kCodes ? 1 : 0); ++j) {
-            const ABSMAX_T st = stored_at(ls, j);
-            int idx;
-            const float err = assign(AbsmaxCodec<ABSMAX_T>::decode(st), idx);
-            if (err < best_err) {
-                best_err = err;
-                best_idx = idx;
-                best_stored = st;
-            }
-        }
+        for (int j = kCodes ? -1 : 0; j <= (kCodes ? 1 : 0); ++j)
+            consider(stored_at(ls, j));
         while (best_idx > 0 && s_code[best_idx - 1] == s_code[best_idx])
             --best_idx;  // a duplicated level is stored as its lowest index (same value and error)
 

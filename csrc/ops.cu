@@ -43,16 +43,6 @@ template <typename T> struct Tag {
     using type = T;
 };
 
-template <typename F> static int with_k(const char* op, int k, F&& f) {
-    switch (k) {
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    }
-    return report_error(op, "k=%d, expected 2, 3, 4 or 5", k);
-}
-
 template <typename F> static int with_dtype(const char* op, int dtype, F&& f) {
     switch (dtype) {
     case KBIT_DTYPE_FP16: return f(Tag<half>{});

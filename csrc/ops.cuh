@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <cuda_runtime.h>
 
 enum KbitDtype { KBIT_DTYPE_FP16 = 0, KBIT_DTYPE_BF16 = 1, KBIT_DTYPE_FP32 = 2 };
@@ -20,6 +21,17 @@ namespace kbit {
 void clear_error();
 int report_error(const char* op, const char* format, ...);  // "op: <printf of format>" (op nullptr: no prefix); 1
 const char* last_error();
+
+// Calls f with std::integral_constant<int, k> for k = 2..5 (the template argument of the kernels), else reports k.
+template <typename F> int with_k(const char* op, int k, F&& f) {
+    switch (k) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    }
+    return report_error(op, "k=%d, expected 2, 3, 4 or 5", k);
+}
 
 // Each returns 0 on success, 1 with the message in last_error(). n <= 0 (an empty region) launches nothing.
 int quantize(
