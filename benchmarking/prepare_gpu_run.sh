@@ -10,6 +10,8 @@ KBIT_CUDA_ARCHS="$arch" python3 -m pip wheel --no-deps -w dist . >/dev/null
 mkdir -p .whl
 ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 || python3 -m pip download --no-deps --only-binary=:all: \
     --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2 >/dev/null
-python3 -m pip install -q --no-deps --no-compile --target .whl/site .whl/bitsandbytes-*.whl dist/bitsandbytes_kbit-*.whl
+ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps -d .whl pytest-xdist execnet
+python3 -m pip install -q --no-deps --no-compile --target .whl/site .whl/bitsandbytes-*.whl dist/bitsandbytes_kbit-*.whl \
+    .whl/pytest_xdist-*.whl .whl/execnet-*.whl  # xdist: run_gpu.sh's tests on 4 workers
 find .whl/site/bitsandbytes -name 'libbitsandbytes_*.so' ! -name 'libbitsandbytes_cuda130.so' ! -name 'libbitsandbytes_cpu.so' -delete
 du -sh .whl/site
