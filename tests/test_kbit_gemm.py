@@ -535,7 +535,11 @@ def test_cuda_staged_path_in_a_cuda_graph(N, K_dim, monkeypatch):
     g = seeded("staged-graph", N, K_dim)
     static_A = torch.randn(M, K_dim, generator=g).to("cuda", torch.float16)
     out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
-    kbit_gemm_cuda(static_A, Bp, Ba, cb, k, N, K_dim, None, out, path="staged")  # warm-up, eager
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch's graph docs ask (cuBLAS state for capture)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kbit_gemm_cuda(static_A, Bp, Ba, cb, k, N, K_dim, None, out, path="staged")
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kbit_gemm_cuda(static_A, Bp, Ba, cb, k, N, K_dim, None, out, path="staged")
