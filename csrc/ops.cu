@@ -102,27 +102,36 @@ static unsigned quantize_grid(long long n) {
     return static_cast<unsigned>(grid < kMaxGridX ? grid : kMaxGridX);
 }
 
+// The flat formats' dispatch (quantize, quantize_mse, dequantize): f(k tag, T tag, ABSMAX_T tag) once k, dtype,
+// absmax_format and codebook_len are valid.
+template <typename F>
+static int with_flat_format(const char* op, int k, int dtype, int absmax_format, int codebook_len, F&& f) {
+    return with_k(op, k, [&](auto kb) {
+        return with_dtype(op, dtype, [&](auto t) {
+            return with_absmax(op, absmax_format, [&](auto a) {
+                if (!codebook_fits(op, k, codebook_len))
+                    return 1;
+                return f(kb, t, a);
+            });
+        });
+    });
+}
+
 int quantize(
     int k, int dtype, int absmax_format, const void* A, const float* codebook, int codebook_len, int32_t* packed,
     void* absmax, long long n, cudaStream_t stream
 ) {
     constexpr const char* op = "ckbit_quantize";
-    return with_k(op, k, [&](auto kb) {
-        return with_dtype(op, dtype, [&](auto t) {
-            return with_absmax(op, absmax_format, [&](auto a) {
-                using T = typename decltype(t)::type;
-                using ABSMAX_T = typename decltype(a)::type;
-                if (!codebook_fits(op, k, codebook_len))
-                    return 1;
-                if (n <= 0)
-                    return 0;
-                launch_quantize_kbit<T, decltype(kb)::value, ABSMAX_T>(
-                    quantize_grid(n), kQuantizeThreads, stream, static_cast<const T*>(A), codebook, codebook_len,
-                    packed, static_cast<ABSMAX_T*>(absmax), n
-                );
-                return check_launch(op);
-            });
-        });
+    return with_flat_format(op, k, dtype, absmax_format, codebook_len, [&](auto kb, auto t, auto a) {
+        using T = typename decltype(t)::type;
+        using ABSMAX_T = typename decltype(a)::type;
+        if (n <= 0)
+            return 0;
+        launch_quantize_kbit<T, decltype(kb)::value, ABSMAX_T>(
+            quantize_grid(n), kQuantizeThreads, stream, static_cast<const T*>(A), codebook, codebook_len,
+            packed, static_cast<ABSMAX_T*>(absmax), n
+        );
+        return check_launch(op);
     });
 }
 
@@ -131,24 +140,18 @@ int quantize_mse(
     void* absmax, long long n, int below, int above, cudaStream_t stream
 ) {
     constexpr const char* op = "ckbit_quantize_mse";
-    return with_k(op, k, [&](auto kb) {
-        return with_dtype(op, dtype, [&](auto t) {
-            return with_absmax(op, absmax_format, [&](auto a) {
-                using T = typename decltype(t)::type;
-                using ABSMAX_T = typename decltype(a)::type;
-                if (!codebook_fits(op, k, codebook_len))
-                    return 1;
-                if (below < 0 || above < 0)
-                    return report_error(op, "below=%d, above=%d, expected both >= 0", below, above);
-                if (n <= 0)
-                    return 0;
-                launch_quantize_kbit_mse<T, decltype(kb)::value, ABSMAX_T>(
-                    quantize_grid(n), kQuantizeThreads, stream, static_cast<const T*>(A), codebook, codebook_len,
-                    packed, static_cast<ABSMAX_T*>(absmax), n, below, above
-                );
-                return check_launch(op);
-            });
-        });
+    return with_flat_format(op, k, dtype, absmax_format, codebook_len, [&](auto kb, auto t, auto a) {
+        using T = typename decltype(t)::type;
+        using ABSMAX_T = typename decltype(a)::type;
+        if (below < 0 || above < 0)
+            return report_error(op, "below=%d, above=%d, expected both >= 0", below, above);
+        if (n <= 0)
+            return 0;
+        launch_quantize_kbit_mse<T, decltype(kb)::value, ABSMAX_T>(
+            quantize_grid(n), kQuantizeThreads, stream, static_cast<const T*>(A), codebook, codebook_len,
+            packed, static_cast<ABSMAX_T*>(absmax), n, below, above
+        );
+        return check_launch(op);
     });
 }
 
@@ -157,30 +160,24 @@ int dequantize(
     int codebook_len, void* out, long long n, cudaStream_t stream
 ) {
     constexpr const char* op = "ckbit_dequantize";
-    return with_k(op, k, [&](auto kb) {
-        return with_dtype(op, dtype, [&](auto t) {
-            return with_absmax(op, absmax_format, [&](auto a) {
-                using T = typename decltype(t)::type;
-                using ABSMAX_T = typename decltype(a)::type;
-                if (!codebook_fits(op, k, codebook_len))
-                    return 1;
-                if (n <= 0)
-                    return 0;
-                // the kernel strides over groups of kDequantizeElemsPerThread elements
-                const long long groups = (n + kDequantizeElemsPerThread - 1) / kDequantizeElemsPerThread;
-                const long long needed = (groups + kDequantizeThreads - 1) / kDequantizeThreads;
-                const long long persistent = static_cast<long long>(current_sm_count()) * kDequantizeCtasPerSm;
-                const long long grid = needed < persistent ? needed : persistent;
-                // 16-byte stores need a 16-byte aligned output (a user's out= may be an offset view).
-                const bool vector_store = reinterpret_cast<uintptr_t>(out) % 16 == 0;
-                launch_dequantize_kbit<T, decltype(kb)::value, ABSMAX_T>(
-                    static_cast<unsigned>(grid), kDequantizeThreads, stream, packed,
-                    static_cast<const ABSMAX_T*>(absmax), codebook, codebook_len, static_cast<T*>(out), n,
-                    vector_store
-                );
-                return check_launch(op);
-            });
-        });
+    return with_flat_format(op, k, dtype, absmax_format, codebook_len, [&](auto kb, auto t, auto a) {
+        using T = typename decltype(t)::type;
+        using ABSMAX_T = typename decltype(a)::type;
+        if (n <= 0)
+            return 0;
+        // the kernel strides over groups of kDequantizeElemsPerThread elements
+        const long long groups = (n + kDequantizeElemsPerThread - 1) / kDequantizeElemsPerThread;
+        const long long needed = (groups + kDequantizeThreads - 1) / kDequantizeThreads;
+        const long long persistent = static_cast<long long>(current_sm_count()) * kDequantizeCtasPerSm;
+        const long long grid = needed < persistent ? needed : persistent;
+        // 16-byte stores need a 16-byte aligned output (a user's out= may be an offset view).
+        const bool vector_store = reinterpret_cast<uintptr_t>(out) % 16 == 0;
+        launch_dequantize_kbit<T, decltype(kb)::value, ABSMAX_T>(
+            static_cast<unsigned>(grid), kDequantizeThreads, stream, packed,
+            static_cast<const ABSMAX_T*>(absmax), codebook, codebook_len, static_cast<T*>(out), n,
+            vector_store
+        );
+        return check_launch(op);
     });
 }
 
