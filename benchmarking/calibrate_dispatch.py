@@ -171,12 +171,10 @@ def c_float(v: float) -> str:
 
 def library(path: str | None):
     if path is None:
-        from bitsandbytes_kbit.cextension import get_lib
+        from bitsandbytes_kbit.backends.cuda.ops import _entry
 
-        lib = get_lib()
-    else:
-        lib = ct.CDLL(path)
-    fn = lib.ckbit_gemm_cost_features
+        return _entry("ckbit_gemm_cost_features")
+    fn = ct.CDLL(path).ckbit_gemm_cost_features
     fn.argtypes = [ct.c_int] * 6 + [ct.POINTER(ct.c_float)]
     fn.restype = ct.c_int
     return fn

@@ -243,4 +243,6 @@ def _assert_same_greedy_tokens(got, ref, scores, what):
         logits = scores[i][b].float()
         margin = (logits[ref[b, i]] - logits[got[b, i]]).item()
         bound = 4 * 2**-8 * logits.abs().max().item()
-        assert margin <= bound, f"{what}: sequence {b} parts from generate() at token {i}, margin {margin:.3g} > {bound:.3g}"
+        assert margin <= bound, (
+            f"{what}: sequence {b} parts from generate() at token {i}, margin {margin:.3g} > {bound:.3g}"
+        )

@@ -179,6 +179,36 @@ def test_cuda_fast_path_under_graph_capture():
             assert torch.equal(y, module(x))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 96], ids=["fused", "staged"])
+def test_cuda_reduce_overhead_compile_keeps_no_buffer_in_the_graph_pool(M, monkeypatch):
+    """torch.compile(mode="reduce-overhead") (inductor's cudagraph trees; transformers' static-cache generate() uses
+    it): the first k-bit call on the tree's stream happens while the tree warms up, so the buffers the backend keeps
+    (split-K workspace, staging scratch) are made then. They must live outside the graph's private pool, which must
+    hold only the graph's outputs (checked on every step here). Replays follow new inputs and equal eager calls."""
+    from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
+
+    for name in ("_workspaces", "_graph_workspaces", "_scratch"):
+        monkeypatch.setattr(cuda_ops, name, {})
+    monkeypatch.setattr(cuda_ops, "_captured_workspaces", [])
+    monkeypatch.setattr(cuda_ops, "_captured_ids", set())
+    monkeypatch.setattr(cuda_ops, "_staged_preferred", lambda *args: M >= cuda_ops.STAGED_MIN_M)
+    monkeypatch.setattr(torch._inductor.config.triton, "slow_path_cudagraph_asserts", True)
+    module = _cuda_module(4, 1024, 2048, True, torch.float16)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for seed in range(4):  # warm-up, recording, replays
+            x = torch.randn(M, 2048, generator=seeded("reduce-overhead", M, seed)).to("cuda", torch.float16)
+            y = compiled(x).clone()
+            expected = module(x)
+            if M < cuda_ops.STAGED_MIN_M:
+                assert torch.equal(y, expected)
+            else:  # cuBLAS may pick another algorithm inside a graph
+                torch.testing.assert_close(y, expected, rtol=2e-3, atol=2e-3)
+    torch._dynamo.reset()
+
+
 def _decoder_pair(k):
     """A tiny Llama (hidden 64) on CUDA in bf16 with its linear layers in k bits, and the same model in bf16 with the
     k-bit weights dequantized into plain nn.Linear layers (so only the kernel's arithmetic differs)."""

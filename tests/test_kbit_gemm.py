@@ -7,7 +7,6 @@ relative each, random sign, so their effect on a K-long dot product shrinks as 1
 the output (one rounding: 2^-11 / 2^-8 relative); relative Frobenius error <= 2e-3 (fp16) and
 1e-2 (bf16) covers both with margin, while a wrong index, scale or row gives O(1)."""
 
-import ctypes
 import itertools
 import math
 
@@ -230,9 +229,7 @@ def test_cuda_gemm_cost_model():
 
     from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
 
-    fn = cuda_ops.get_lib().ckbit_gemm_cost_features
-    fn.argtypes = [ct.c_int] * 6 + [ct.POINTER(ct.c_float)]
-    fn.restype = ct.c_int
+    fn = cuda_ops._entry("ckbit_gemm_cost_features")
     buf = (ct.c_float * 8)()
     for config, (N, K_dim), M, k in itertools.product(
         range(-1, cuda_ops.gemm_num_configs()), ((4096, 4096), (1000, 576), (28672, 8192)), (1, 17, 300, 5000), KS
@@ -643,12 +640,11 @@ def test_cuda_gemm_warp_specialised_token_strides(k, ws):
     """Configs 7 and 14's tokens come from A itself through the tensor map: a padded row stride (lda = K + 32, read as it is),
     and views the op copies first (lda % 8 != 0; a base 2 bytes off 16), each against the reference, output
     poisoned."""
-    from bitsandbytes_kbit.backends.cuda.ops import get_lib, kbit_gemm_cuda
+    from bitsandbytes_kbit.backends.cuda.ops import _entry, kbit_gemm_cuda
 
     # the workspace is sized the same for every k, so a cached workspace does not grow, and free what an earlier graph
     # captured, when a call of another k follows
-    sizing = get_lib().ckbit_gemm_workspace_bytes
-    sizing.restype, sizing.argtypes = ctypes.c_size_t, [ctypes.c_int] * 5
+    sizing = _entry("ckbit_gemm_workspace_bytes")
     for M_, N_, K_ in itertools.product((256, 1024, 2048), (4096, 14336), (4096, 14336)):
         sizes = {sizing(M_, N_, K_, kb, 132) for kb in KS}
         assert len(sizes) == 1, f"workspace size depends on k at M = {M_}, N = {N_}, K = {K_}: {sizes}"

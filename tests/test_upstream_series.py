@@ -163,6 +163,33 @@ def test_merge_places_imports_after_upstreams_and_appends_the_body():
     compile(merged, "m.py", "exec")  # still a valid module (a late __future__ import would not compile)
 
 
+def test_unresolved_imports_names_what_a_module_does_not_define(tmp_path):
+    """The export's import check: names bound at a module's top level (also inside try / if), submodules and lazy
+    module attributes resolve; a name the module lacks is reported with its file and line."""
+    pkg = tmp_path / "bitsandbytes"
+    (pkg / "backends").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "backends" / "__init__.py").write_text("")
+    (pkg / "cextension.py").write_text(
+        "try:\n    lib = 1\nexcept OSError:\n    lib = None\ndef get_native_library(): ...\n"
+    )
+    (pkg / "lazy.py").write_text("def __getattr__(name): ...\n")
+    (pkg / "backends" / "ops.py").write_text(
+        "from ..cextension import lib, get_native_library\n"
+        "from .. import backends, lazy\n"
+        "from ..lazy import Anything\n"
+        "import torch\n"
+        "def f():\n"
+        "    from ..cextension import get_lib\n"
+        "    from bitsandbytes.missing import x\n"
+    )
+    problems = export_series.unresolved_imports(tmp_path, ["bitsandbytes/backends/ops.py"])
+    assert problems == [
+        "bitsandbytes/backends/ops.py:6: bitsandbytes.cextension has no get_lib",
+        "bitsandbytes/backends/ops.py:7: no module bitsandbytes.missing",
+    ]
+
+
 def test_rename_keeps_the_quant_method_name():
     text = 'from bitsandbytes_kbit._format import BLOCKSIZE\nfrom ._format import X\nQUANT = "bitsandbytes_kbit"\n'
     renamed = export_series.rename_python(text)

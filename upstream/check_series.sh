@@ -26,7 +26,7 @@
 #       upstream's tests/test_ops.py and tests/test_functional.py (upstream's marker filter: not slow, benchmark or
 #       deprecated; BNB_TEST_DEVICE=cuda as upstream's GPU CI), writing logs, JUnit files and summary.txt to OUT.
 #       --budget (default 460 s) caps the whole phase: the k-bit tests get up to 3/5, upstream's tests the rest;
-#       pytest-xdist (-n 4) is used where installed.
+#       pytest-xdist (-n 6, 2 CPU threads each) is used where installed.
 #
 # docs/UPSTREAMING.md gives the commands and what to look for.
 set -euo pipefail
@@ -285,9 +285,9 @@ assert type(lib).__name__ == 'CudaBNBNativeLibrary', 'the CUDA library did not l
         cuobjdump --list-elf bitsandbytes/libbitsandbytes_cuda130.so | sed 's/^/elf: /' | tee -a "$summary"
     fi
 
-    # pytest-xdist where installed: 4 workers, 4 CPU threads each (the CPU references run beside the GPU kernels)
+    # pytest-xdist where installed: 6 workers, 2 CPU threads each (the CPU references run beside the GPU kernels)
     local xdist=()
-    "$PYTHON" -c "import xdist" 2>/dev/null && xdist=(-n 4) && export OMP_NUM_THREADS=4
+    "$PYTHON" -c "import xdist" 2>/dev/null && xdist=(-n 6) && export OMP_NUM_THREADS=2
     local kbit_tests
     mapfile -t kbit_tests < <(present_kbit_tests "$tree")
     # SIGINT at the time limit: pytest stops, still prints its summary and writes the JUnit file

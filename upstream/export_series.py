@@ -404,10 +404,8 @@ BENCH_FILES = [
     "bench_dequantize.py",
     "bench_host_overhead.py",
     "bench_kbit_gemm.py",
-    "bench_quality.py",
     "model_shapes.py",
     "timing.py",
-    "data/sentences.txt",
 ]
 
 
@@ -485,7 +483,7 @@ def series() -> list[Step]:
         ),
         Step(
             "Add the k-bit benchmarks",
-            "GEMM, dequantize, host-overhead, decode and quality benchmarks with their shared timing helper.",
+            "GEMM, dequantize, host-overhead and decode benchmarks with their shared timing helper.",
             [copy_file(f"benchmarking/{f}", f"benchmarking/kbit/{f}", rename_python) for f in BENCH_FILES],
         ),
     ]
@@ -540,6 +538,65 @@ def clang_format(repo: Path, files: list[str]) -> None:
     raise ExportError(f"clang-format does not reach a fixed point on {files}")
 
 
+def _module_file(repo: Path, module: str) -> Path | None:
+    base = repo / module.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _module_level_names(body: list[ast.stmt]) -> set[str]:
+    """Names a module binds at its top level, also inside if / try / with blocks (not inside functions or classes)."""
+    names = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        for block in ("body", "orelse", "finalbody"):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names |= _module_level_names(getattr(node, block, []) or [])
+        for handler in getattr(node, "handlers", []) or []:
+            names |= _module_level_names(handler.body)
+    return names
+
+
+def unresolved_imports(repo: Path, files: list[str]) -> list[str]:
+    """Names that the given Python files import from bitsandbytes modules of ``repo`` which those modules do not
+    define (top-level functions, classes, assignments, imports; or a submodule): what a rename left pointing at
+    this package's own glue (its loader, say)."""
+    problems = []
+    for rel in files:
+        package = rel.rsplit("/", 1)[0].replace("/", ".") if "/" in rel else ""
+        for node in ast.walk(ast.parse((repo / rel).read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                module = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "bitsandbytes":
+                continue
+            source = _module_file(repo, module)
+            if source is None:
+                problems.append(f"{rel}:{node.lineno}: no module {module}")
+                continue
+            defined = _module_level_names(ast.parse(source.read_text()).body)
+            if "__getattr__" in defined:  # lazy module attributes (PEP 562): not checked
+                continue
+            for alias in node.names:
+                if alias.name not in defined and _module_file(repo, f"{module}.{alias.name}") is None:
+                    problems.append(f"{rel}:{node.lineno}: {module} has no {alias.name}")
+    return problems
+
+
 def export(upstream: Path, out: Path) -> list[Path]:
     if find_clang_format() is None:
         raise ExportError("clang-format was not found (pip install 'clang-format>=20,<21', upstream's version)")
@@ -564,6 +621,9 @@ def export(upstream: Path, out: Path) -> list[Path]:
             written = []
             for edit in step.edits:
                 written += edit(work)
+            missing = unresolved_imports(work, [f for f in written if f.endswith(".py")])
+            if missing:
+                raise ExportError(f"{step.subject}: imports upstream lacks: " + "; ".join(missing))
             ruff(work, [f for f in written if f.endswith(".py")])
             clang_format(work, [f for f in written if f.startswith("csrc/")])
             git(work, "add", "--", *written)

@@ -354,12 +354,13 @@ class BitsAndBytesKbitHfQuantizer(HfQuantizer):
                 'device (device_map={"": "cpu"} runs on the CPU through the default backend).'
             )
         if "cuda" in accelerators:
-            from ..cextension import is_available, library_path
+            from ..backends.cuda.ops import library_problem
 
-            if not is_available():
+            problem = library_problem()
+            if problem is not None:
                 raise ImportError(
-                    f"bitsandbytes_kbit: device_map places k-bit layers on a GPU, but the CUDA library was not found "
-                    f"at {library_path()}; reinstall bitsandbytes-kbit with a CUDA toolkit, or load on the CPU"
+                    f"bitsandbytes_kbit: device_map places k-bit layers on a GPU, but the CUDA library did not load "
+                    f"({problem}); reinstall with a CUDA toolkit, or load the model on the CPU"
                 )
 
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:

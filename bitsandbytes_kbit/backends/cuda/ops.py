@@ -1,6 +1,7 @@
 """CUDA registrations of the k-bit ops: check what the kernels assume, allocate the outputs and
 call the C ABI on the tensor's device and current stream. No math here."""
 
+import concurrent.futures
 import ctypes as ct
 import functools
 
@@ -202,12 +203,37 @@ _captured_workspaces: list[torch.Tensor] = []  # graph buffers replaced by a big
 _captured_ids: set[int] = set()  # data_ptr of graph buffers used under capture
 
 
+@functools.cache
+def _allocator_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kbit-alloc")
+
+
+def _kept_buffer(numel: int, dtype: torch.dtype, device: torch.device, zero: bool) -> torch.Tensor:
+    """A buffer this module keeps across calls, allocated on a thread of its own. torch routes every allocation made
+    by a thread that is warming up or recording a CUDA graph (inductor's cudagraph trees, mode="reduce-overhead")
+    into that graph's private pool, where a tensor that outlives the graph's outputs is refused ("tensor(s) in the
+    cudagraph pool not tracked as outputs") and would be overwritten by later replays. The caller's stream waits for
+    the allocation's zero fill, and the buffer is marked as used on that stream (freed only after its work)."""
+
+    def allocate():
+        with torch.cuda.device(device):
+            buf = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+            done = torch.cuda.Event()
+            done.record()  # on this thread's current stream: the device's default stream
+        return buf, done
+
+    buf, done = _allocator_thread().submit(allocate).result()
+    stream = torch.cuda.current_stream(device)
+    stream.wait_event(done)
+    buf.record_stream(stream)
+    return buf
+
+
 def _grown(ws: torch.Tensor | None, needed: int, device: torch.device) -> torch.Tensor:
     if ws is not None and ws.numel() >= needed:
         return ws
-    return torch.zeros(
-        max(needed, _MIN_WORKSPACE_BYTES, 0 if ws is None else ws.numel()), dtype=torch.uint8, device=device
-    )
+    size = max(needed, _MIN_WORKSPACE_BYTES, 0 if ws is None else ws.numel())
+    return _kept_buffer(size, torch.uint8, device, zero=True)
 
 
 def _workspace(device: torch.device, stream: int, needed: int) -> torch.Tensor:
@@ -232,6 +258,16 @@ def _workspace(device: torch.device, stream: int, needed: int) -> torch.Tensor:
 
 def gemm_num_configs() -> int:
     return _entry("ckbit_gemm_num_configs")()
+
+
+def library_problem() -> str | None:
+    """None when the native library with the k-bit entry points loads, else the loader's message (checked at model
+    load, before any weight is placed on a GPU)."""
+    try:
+        gemm_num_configs()
+    except (OSError, RuntimeError, AttributeError) as err:
+        return str(err)
+    return None
 
 
 def gemm_config_available(config: int, device=None) -> bool:
@@ -308,7 +344,7 @@ def _staging_buffer(device: torch.device, dtype: torch.dtype, elems: int) -> tor
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), dtype)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < elems:
-        buf = _scratch[key] = torch.empty(elems, dtype=dtype, device=device)
+        buf = _scratch[key] = _kept_buffer(elems, dtype, device, zero=False)
     return buf
 
 
