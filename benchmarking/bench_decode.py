@@ -3,6 +3,8 @@
     python benchmarking/bench_decode.py [--layers 32] [--formats bf16,nf4,k2,k3,k4,k5] [--modes a,b,c]
         [--batch 1,16] [--new-tokens 64] [--prompt-len 16] [--compile-mode default]
         [--json out.json] [--plot out.png]
+    python benchmarking/bench_decode.py --merge run1.json run2.json [--json out.json] [--plot out.png]
+        # one table of runs made in parts (a later run's cell replaces an earlier one's)
     python benchmarking/bench_decode.py --tiny --device cpu      # the same code paths on a tiny model (no GPU)
 
 Models (one per format, built one after the other from the same seed, on the GPU, with random init):
@@ -30,6 +32,7 @@ import argparse
 import inspect
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -333,7 +336,10 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="toy widths (a check of the code paths, e.g. on the CPU)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="print and save the union of earlier runs")
     args = p.parse_args(argv)
+    if args.merge:
+        return args
     args.formats = parse_list(args.formats, "--formats", FORMATS)
     args.modes = parse_list(args.modes, "--modes", MODES)
     args.batch = parse_list(args.batch, "--batch", None, int)
@@ -394,8 +400,40 @@ def run_cell(model, fmt, mode, B, prompt, args, skips, ref_tokens):
     return row, tokens
 
 
+def merge_runs(args):
+    """The cells of several runs' JSON files as one run: same GPU, model and token counts; a later file's cell
+    replaces an earlier one's."""
+    runs = []
+    for path in args.merge:
+        with open(path) as f:
+            runs.append(json.load(f))
+    keys = ("gpu", "tiny", "new_tokens", "prompt_len")
+    for path, run in zip(args.merge[1:], runs[1:]):
+        if any(run[k] != runs[0][k] for k in keys) or (run["layers"] or 32) != (runs[0]["layers"] or 32):
+            sys.exit(f"bench_decode: {path} was not run like {args.merge[0]} (compare {', '.join(keys)}, layers)")
+    cells = {}
+    for run in runs:
+        for row in run["results"]:
+            cells[(row["format"], row["mode"], row["batch"])] = row
+    merged = dict(runs[-1], results=list(cells.values()), merged_from=[os.path.basename(p) for p in args.merge])
+    merged["builds"] = {k: v for run in runs for k, v in run["builds"].items()}
+    order = {name: i for i, name in enumerate(FORMATS)}
+    args.formats = sorted({r["format"] for r in merged["results"]}, key=order.get)
+    args.modes = sorted({r["mode"] for r in merged["results"]})
+    args.batch = sorted({r["batch"] for r in merged["results"]})
+    args.layers, args.tiny, args.new_tokens = merged["layers"], merged["tiny"], merged["new_tokens"]
+    print_table(merged["results"], args, merged["gpu"], merged["torch"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(merged, f, indent=1)
+    if args.plot:
+        plot(merged["results"], args, merged["gpu"])
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        return merge_runs(args)
     skips = SkipCounter()
     if "b" in args.modes or "c" in args.modes:
         try:  # torch's perf hints / cudagraphs logs carry the "skipping cudagraphs" lines; they go to stderr too
@@ -479,10 +517,10 @@ def ratio_vs_bf16(results, row):
     return row["tokens_per_s"] / base[0]["tokens_per_s"]
 
 
-def print_table(results, args, gpu):
+def print_table(results, args, gpu, torch_version=None):
     names = {"a": "(a) generate eager", "b": "(b) generate static", "c": "(c) compiled + CUDA graph"}
     print(
-        f"\ndecode, {gpu}, torch {torch.__version__}, {args.layers or ('2' if args.tiny else '32')} layers"
+        f"\ndecode, {gpu}, torch {torch_version or torch.__version__}, {args.layers or ('2' if args.tiny else '32')} layers"
         f"{' (tiny)' if args.tiny else ''}, {args.new_tokens} new tokens, tokens/s per sequence (x bf16 on the same"
         " mode and batch)\n"
     )

@@ -218,3 +218,30 @@ def test_skip_counter_sees_torch_cudagraph_skip_lines():
         for lg in loggers:
             lg.removeHandler(counter)
     assert counter.lines == ["skipping cudagraphs due to mutated inputs (2)"]
+
+
+def test_decode_merge_of_runs_in_parts(tmp_path, capsys):
+    """bench_decode --merge: the union of the runs' cells in one table and JSON, a later run's cell replacing an
+    earlier one's; runs made differently (another GPU) are refused."""
+    import bench_decode
+
+    def run(name, rows, gpu="GPU X"):
+        path = tmp_path / name
+        head = {"gpu": gpu, "torch": "2.x", "transformers": "5.x", "layers": None, "tiny": False, "new_tokens": 64}
+        head.update(prompt_len=16, compile_mode="default", builds={r[0]: r[0] for r in rows})
+        results = [
+            {"format": f, "mode": m, "batch": b, "tokens_per_s": t, "ms_per_token": 1e3 / t} for f, m, b, t in rows
+        ]
+        path.write_text(json.dumps(dict(head, results=results)))
+        return str(path)
+
+    first = run("one.json", [("bf16", "c", 1, 100.0), ("k4", "c", 1, 150.0)])
+    second = run("two.json", [("k4", "c", 1, 170.0), ("bf16", "c", 16, 50.0), ("k4", "c", 16, 80.0)])
+    out = tmp_path / "merged.json"
+    bench_decode.main(["--merge", first, second, "--json", str(out)])
+    table = capsys.readouterr().out
+    assert "| k4 | 170.0 (1.70x) | 80.0 (1.60x) |" in table
+    merged = json.loads(out.read_text())
+    assert len(merged["results"]) == 4 and merged["merged_from"] == ["one.json", "two.json"]
+    with pytest.raises(SystemExit, match="was not run like"):
+        bench_decode.main(["--merge", first, run("three.json", [("k4", "c", 1, 1.0)], gpu="GPU Y")])

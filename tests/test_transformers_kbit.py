@@ -222,9 +222,9 @@ def test_offload_device_maps_are_rejected(float_dir):
 def test_gpu_device_map_without_the_cuda_library_fails_at_load(float_dir, monkeypatch):
     """A device_map that puts k-bit layers on a GPU, with no loadable CUDA library: an ImportError before loading,
     carrying the loader's message."""
-    from bitsandbytes_kbit.backends.cuda import ops as cuda_ops
+    from bitsandbytes_kbit.integrations import transformers as kbit_transformers
 
-    monkeypatch.setattr(cuda_ops, "library_problem", lambda: "the library was not found at /nowhere")
+    monkeypatch.setattr(kbit_transformers, "_cuda_library_problem", lambda: "the library was not found at /nowhere")
     with pytest.raises(ImportError, match="CUDA library did not load.*not found at /nowhere"):
         transformers.AutoModelForCausalLM.from_pretrained(
             float_dir, quantization_config=BitsAndBytesKbitConfig(), device_map={"": 0}

@@ -329,6 +329,15 @@ def _device_type(value) -> str:
     return str(value).split(":")[0]
 
 
+def _cuda_library_problem() -> str | None:
+    """None when the CUDA backend and its native library load, else why not."""
+    try:
+        from ..backends.cuda.ops import library_problem
+    except (ImportError, AttributeError) as err:  # a torch build without CUDA
+        return f"{type(err).__name__}: {err}"
+    return library_problem()
+
+
 class BitsAndBytesKbitHfQuantizer(HfQuantizer):
     """HfQuantizer of the ``bitsandbytes_kbit`` method (see the module docstring)."""
 
@@ -354,9 +363,7 @@ class BitsAndBytesKbitHfQuantizer(HfQuantizer):
                 'device (device_map={"": "cpu"} runs on the CPU through the default backend).'
             )
         if "cuda" in accelerators:
-            from ..backends.cuda.ops import library_problem
-
-            problem = library_problem()
+            problem = _cuda_library_problem()
             if problem is not None:
                 raise ImportError(
                     f"bitsandbytes_kbit: device_map places k-bit layers on a GPU, but the CUDA library did not load "
