@@ -2,6 +2,8 @@
 
     python benchmarking/sanitize_gpu.py                 # the four tools at once, one process each (5 min at most)
     python benchmarking/sanitize_gpu.py --tools memcheck --limit 20
+    python benchmarking/sanitize_gpu.py --tools racecheck --part 2/8   # every 8th GEMM call from the 2nd (racecheck
+                                                                       # over all of them takes ~20 min)
     python benchmarking/sanitize_gpu.py --cases         # the cases alone, without a sanitizer (what each tool runs)
 
 The cases: every GEMM config the device runs (forced, and the dispatcher's own choice) x k = 2..5 x fp16 / bf16 on
@@ -27,7 +29,7 @@ import time
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
 
-def run_cases(limit: int | None) -> None:
+def run_cases(limit: int | None, part: tuple[int, int] = (1, 1)) -> None:
     import torch
 
     import bitsandbytes_kbit.functional as F
@@ -88,6 +90,7 @@ def run_cases(limit: int | None) -> None:
         for config in configs
         for (k, dtype), weight in weights.items()
     ]
+    cases = cases[part[0] - 1 :: part[1]]
     done = 0
     total = len(cases) if limit is None else min(limit, len(cases))
     t0 = time.time()
@@ -199,11 +202,18 @@ def main() -> int:
     ap.add_argument("--cases", action="store_true", help="run the cases in this process (what each tool runs)")
     ap.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
     ap.add_argument("--limit", type=int, default=None, help="only the first N GEMM calls")
+    ap.add_argument("--part", default="1/1", help="I/N: every N-th GEMM call from the I-th (flat cases run always)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per tool (the tools run at once)")
     ap.add_argument("--logs", default=os.environ.get("OUT", "."), help="folder for the tools' logs")
     args = ap.parse_args()
+    try:
+        part = tuple(int(v) for v in args.part.split("/"))
+        if len(part) != 2 or not 1 <= part[0] <= part[1]:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--part={args.part!r}: expected I/N with 1 <= I <= N, e.g. 2/8")
     if args.cases:
-        run_cases(args.limit)
+        run_cases(args.limit, part)
         return 0
     sanitizer = find_sanitizer()
     if sanitizer is None:
@@ -215,7 +225,7 @@ def main() -> int:
     if not kernel_filter:
         print("note: this compute-sanitizer has no kernel name filter; every kernel is instrumented (slower)")
     os.makedirs(args.logs, exist_ok=True)
-    cmd_cases = [sys.executable, os.path.abspath(__file__), "--cases"]
+    cmd_cases = [sys.executable, os.path.abspath(__file__), "--cases", "--part", args.part]
     if args.limit is not None:
         cmd_cases += ["--limit", str(args.limit)]
     procs = {}

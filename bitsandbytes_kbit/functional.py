@@ -20,6 +20,7 @@ from .backends.default.ops import check_finite as _check_finite
 from .backends.default.ops import check_indices_in_codebook, e4m4_table
 from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
 from .backends.default.ops import encode_absmax_e4m4 as _encode_e4m4
+from .backends.default.ops import max_index as _max_index
 from .backends.default.tiled_layout import unrepack_kbit_reference as _unrepack_reference
 from .scale_search import SCALE_METHODS, mse_candidate_range, quantize_blocks_mse
 
@@ -506,3 +507,10 @@ def _kbit_gemm_prepared(
     out = torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
     launch(A, B_packed, B_absmax, codebook, k, N, K, bias, out)
     return out
+
+
+def max_stored_index(packed: torch.Tensor, k: int) -> int:
+    """The largest codebook index that the flat packed words of ``quantize_kbit`` hold (reads the data: one host
+    sync). A codebook needs more entries than this index."""
+    check_k("max_stored_index", k)
+    return _max_index(packed, k)

@@ -6,6 +6,7 @@ chunk; the cuBLAS calls on already-dequantized chunks), all in one run on the GP
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -87,6 +88,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}  lib={os.environ.get('BNB_KBIT_LIBRARY', 'installed')}")
     print("times in us; deq = tiled dequantize of every chunk alone, mm = the cuBLAS calls alone")
     saved = ops.STAGING_BYTES
+    rule = ops.staging_chunks
     for shape in args.shapes:
         N, K = (int(x) for x in shape.split("x"))
         W = (torch.randn(N, K, device="cuda") * 0.02).to(dtype)
@@ -110,10 +112,10 @@ def main():
                 cells = [f"fp16 {t16:7.1f}"]
                 for _ in range(args.rounds):
                     for axis in args.axes:
-                        ops.STAGING_AXIS = None if axis == "auto" else axis
+                        ops.staging_chunks = functools.partial(rule, axis=None if axis == "auto" else axis)
                         for mib in args.chunks_mib:
                             cells.append("| " + time_staged(As, copies, cb, k, N, K, out, ref, rot, mib))
-                ops.STAGING_AXIS = None
+                ops.staging_chunks = rule
                 ops.STAGING_BYTES = saved
                 ops._scratch.clear()
                 print(f"{shape:>11} k={k} M={M:<5} " + " ".join(cells), flush=True)

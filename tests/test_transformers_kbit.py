@@ -225,7 +225,7 @@ def test_gpu_device_map_without_the_cuda_library_fails_at_load(float_dir, monkey
     from bitsandbytes_kbit.integrations import transformers as kbit_transformers
 
     monkeypatch.setattr(kbit_transformers, "_cuda_library_problem", lambda: "the library was not found at /nowhere")
-    with pytest.raises(ImportError, match="CUDA library did not load.*not found at /nowhere"):
+    with pytest.raises(ImportError, match=r"CUDA library did not load.*not found at /nowhere"):
         transformers.AutoModelForCausalLM.from_pretrained(
             float_dir, quantization_config=BitsAndBytesKbitConfig(), device_map={"": 0}
         )

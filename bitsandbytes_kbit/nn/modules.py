@@ -31,7 +31,6 @@ from torch import nn
 from .. import _cpu
 from .. import functional as kbit_F
 from .._ops import ABSMAX_DTYPES, BLOCKSIZE, GEMM_DTYPES, SUPPORTED_K, check_k
-from ..backends.default.ops import max_index
 
 __all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
 
@@ -496,7 +495,7 @@ class LinearKbit(nn.Linear):
         if codebook.device.type != "meta" and not bool(torch.isfinite(codebook).all()):
             return f"{prefix}codebook contains NaN or Inf; expected finite values"
         if codebook.numel() < 2**k and weight.device.type != "meta":
-            top = max_index(weight, k)
+            top = kbit_F.max_stored_index(weight, k)
             if top >= codebook.numel():
                 return (
                     f"{prefix}codebook has {codebook.numel()} entries but the packed weight uses index {top}; "

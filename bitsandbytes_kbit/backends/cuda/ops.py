@@ -328,10 +328,7 @@ def _(B_packed, B_absmax, codebook, k: int, N: int, K_dim: int, dtype) -> torch.
 STAGED_MIN_M = 64
 STAGING_BYTES = 64 << 20
 STAGING_ALIGN = 128  # chunk edges on whole cuBLAS tiles (and whole units: 16 rows, 128 k)
-STAGING_AXIS = None  # "n" or "k" forces the cut (dev/probe_staged.py); None: the rule in staging_chunks
-# From this many tokens deep weights are cut into rows too. H100, k = 4, 64 MiB chunks, four interleaved
-# rounds, median us, k chunks -> rows: 8192 x 28672 M = 4096 3165 -> 2936, M = 2048 1785 -> 1639;
-# 4096 x 14336 M = 4096 775 -> 763, M = 2048 420 -> 413 (dev/probe_staged.py --axes k n --rounds 4)
+# From this many tokens deep weights are cut into rows too (staging_chunks)
 STAGED_ROWS_MIN_M = 2048
 # one scratch per (device, stream, dtype): GEMMs running at once on two streams never share one
 _scratch: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
@@ -348,17 +345,19 @@ def _staging_buffer(device: torch.device, dtype: torch.dtype, elems: int) -> tor
     return buf
 
 
-def staging_chunks(N: int, K_dim: int, elem_bytes: int = 2, M: int = 0) -> tuple[str, list[tuple[int, int]]]:
+def staging_chunks(
+    N: int, K_dim: int, elem_bytes: int = 2, M: int = 0, axis: str | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """How the staged path cuts W[N, K_dim] for M tokens: ("n", row ranges) or ("k", column ranges),
     chunks of at most STAGING_BYTES with edges on STAGING_ALIGN, equal where a chunk count up to twice
     the fewest divides the side into whole STAGING_ALIGN blocks (8192 rows: 8 x 1024, not 6 x 1280 + 512).
 
     A wide weight (gate/up) is cut into rows, which keep K whole. A deep one (down) is cut into k
     chunks below STAGED_ROWS_MIN_M tokens, which keep N whole and accumulate into C: rows of a deep
-    weight gave cuBLAS half-width products there (H200, N=4096 K=14336 M=1024, 0.66-0.72x of one fp16
-    call). From STAGED_ROWS_MIN_M on, rows again: every further k chunk re-reads and re-writes C."""
+    weight gave cuBLAS half-width products there. From STAGED_ROWS_MIN_M on, rows again: every further k
+    chunk re-reads and re-writes C. ``axis`` ("n" or "k") overrides the rule (to time both)."""
     n_chunks = -(-N * K_dim * elem_bytes // STAGING_BYTES)
-    axis = STAGING_AXIS or ("n" if N >= K_dim or M >= STAGED_ROWS_MIN_M else "k")
+    axis = axis or ("n" if N >= K_dim or M >= STAGED_ROWS_MIN_M else "k")
     length = N if axis == "n" else K_dim
     blocks = -(-length // STAGING_ALIGN)
     count = next((c for c in range(n_chunks, 2 * n_chunks + 1) if c <= blocks and blocks % c == 0), n_chunks)
