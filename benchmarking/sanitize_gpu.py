@@ -29,7 +29,7 @@ import time
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
 
-def run_cases(limit: int | None, part: tuple[int, int] = (1, 1)) -> None:
+def run_cases(limit: int | None, gemm_part: tuple[int, int] = (1, 1)) -> None:
     import torch
 
     import bitsandbytes_kbit.functional as F
@@ -90,7 +90,7 @@ def run_cases(limit: int | None, part: tuple[int, int] = (1, 1)) -> None:
         for config in configs
         for (k, dtype), weight in weights.items()
     ]
-    cases = cases[part[0] - 1 :: part[1]]
+    cases = cases[gemm_part[0] - 1 :: gemm_part[1]]
     done = 0
     total = len(cases) if limit is None else min(limit, len(cases))
     t0 = time.time()
@@ -187,6 +187,11 @@ def summarize(tool: str, log: str) -> tuple[int | None, str]:
         if len(found) == int(r[-1][0]):  # every report is in the log: count the others as errors
             errors = int(r[-1][1]) - len(excused)
             detail.append(f"{len(excused)} of them the weight ring's mbarrier-ordered reuse (RACECHECK_MBARRIER_WAR)")
+        if found and not any(" in " in w for w, _ in found):
+            detail.append(
+                "the reports carry no source lines, so RACECHECK_MBARRIER_WAR cannot be recognized: run racecheck on a"
+                " library built with -lineinfo (dev/build_variant.sh NAME -lineinfo; BNB_KBIT_LIBRARY=its path)"
+            )
     kernels: dict[str, int] = {}
     for line in log.splitlines():
         if line.startswith("=========") and ("kbit::" in line) and ("in " in line or " at " in line):

@@ -319,7 +319,8 @@ for path in sys.argv[1:]:
     reasons = collections.Counter()
     bit_exact = collections.Counter()
     for case in cases:
-        file = case.get("classname", "").split(".")[1] if "." in case.get("classname", "") else case.get("classname")
+        name = case.get("classname") or "(no class: an interrupted test)"
+        file = name.split(".")[1] if "." in name else name
         status = "passed"
         for child in case:
             if child.tag in ("failure", "error"):
