@@ -2,7 +2,7 @@
 
     python benchmarking/bench_decode.py [--layers 32] [--formats bf16,nf4,k2,k3,k4,k5] [--modes a,b,c]
         [--batch 1,16] [--new-tokens 64] [--prompt-len 16] [--compile-mode default]
-        [--json out.json] [--plot out.png]
+        [--profile] [--json out.json] [--plot out.png]
     python benchmarking/bench_decode.py --merge run1.json run2.json [--json out.json] [--plot out.png]
         # one table of runs made in parts (a later run's cell replaces an earlier one's)
     python benchmarking/bench_decode.py --tiny --device cpu      # the same code paths on a tiny model (no GPU)
@@ -186,14 +186,45 @@ def compile_counts():
 
 
 @torch.no_grad()
-def graph_decode(model, prompt, n_new, device, compile_mode):
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel, by its name: the k-bit GEMM, cuBLAS, attention, Triton (inductor's fused ops), other."""
+    n = name.lower()
+    if "kbit" in n:
+        return "kbit_gemm"
+    if any(s in n for s in ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")):
+        return "cublas"
+    if any(s in n for s in ("flash", "fmha", "attention", "sdpa")):
+        return "attention"
+    return "triton" if "triton" in n else "other"
+
+
+def kernel_breakdown(run_step, steps: int = 5) -> dict:
+    """GPU time per decode step by kernel kind (torch.profiler over `steps` graph replays): {kind: {"us": time per
+    step, "kernels": launches per step}}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run_step()
+        torch.cuda.synchronize()
+    kinds: dict = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            entry = kinds.setdefault(kernel_kind(event.name), {"us": 0.0, "kernels": 0.0})
+            entry["us"] += event.device_time / steps
+            entry["kernels"] += 1 / steps
+    return kinds
+
+
+def graph_decode(model, prompt, n_new, device, compile_mode, profile_steps=0):
     """Mode (c): the decode step compiled by torch.compile (inductor, without its own CUDA graphs) and captured in
     one torch.cuda.CUDAGraph, replayed per token (on the CPU the compiled step runs as is). Returns (seconds per new
-    token, the generated tokens, whether a CUDA graph was used, seconds spent compiling and capturing)."""
+    token, the generated tokens, whether a CUDA graph was used, seconds spent compiling and capturing, and with
+    profile_steps > 0 on CUDA the kernel_breakdown of that many further replays, else None)."""
     from transformers import StaticCache
 
     B, P = prompt.shape
-    max_len = P + n_new + 8
+    max_len = P + n_new + 8 + profile_steps
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     ck = cache_kwarg(model)
     prefill_mask = torch.ones(P, max_len, dtype=torch.bool, device=device).tril(0)[None, None].expand(B, 1, P, max_len)
@@ -266,7 +297,9 @@ def graph_decode(model, prompt, n_new, device, compile_mode):
         run_step()
         tokens[:, i + 1 : i + 2].copy_(tok)
     sync(device)
-    return (time.perf_counter() - t0) / n_new, tokens, use_graph, t_compile
+    seconds = (time.perf_counter() - t0) / n_new
+    breakdown = kernel_breakdown(run_step, profile_steps) if profile_steps and use_graph else None
+    return seconds, tokens, use_graph, t_compile, breakdown
 
 
 class SkipCounter(logging.Handler):
@@ -334,6 +367,11 @@ def parse_args(argv=None):
         help="torch.compile mode of the (c) step (inductor's own CUDA graphs stay off: (c) captures its own)",
     )
     p.add_argument("--tiny", action="store_true", help="toy widths (a check of the code paths, e.g. on the CPU)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="(c) on CUDA: GPU time per step by kernel kind (k-bit GEMM, cuBLAS, ...)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="print and save the union of earlier runs")
@@ -361,9 +399,21 @@ def run_cell(model, fmt, mode, B, prompt, args, skips, ref_tokens):
         torch._dynamo.reset()  # transformers compiles the forward for this model (recompile limit: 8 per code)
         s_tok, tokens = generate_timed(model, prompt, args.new_tokens, True, args.device)
     else:
-        s_tok, tokens, used, t_compile = graph_decode(model, prompt, args.new_tokens, args.device, args.compile_mode)
+        s_tok, tokens, used, t_compile, breakdown = graph_decode(
+            model, prompt, args.new_tokens, args.device, args.compile_mode, 5 if args.profile else 0
+        )
         row["cuda_graph"] = used
         row["compile_s"] = t_compile
+        if breakdown is not None:
+            row["kernels"] = breakdown
+            total = sum(v["us"] for v in breakdown.values())
+            print(
+                f"  [{fmt} B={B} c] GPU time per step {total / 1e3:.2f} ms: "
+                + ", ".join(
+                    f"{kind} {v['us'] / 1e3:.2f} ms ({v['kernels']:.0f} kernels)"
+                    for kind, v in sorted(breakdown.items(), key=lambda kv: -kv[1]["us"])
+                )
+            )
         print(
             f"  [{fmt} B={B} c] step compiled (torch.compile mode={args.compile_mode}) and "
             + (

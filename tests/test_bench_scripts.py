@@ -181,11 +181,18 @@ def test_decode_tiny_cuda_graph(tmp_path, capsys):
             "bf16,nf4,k4",
             "--modes",
             "a,b,c",
+            "--profile",
             "--json",
             str(out),
         ]
     )
     rows = json.loads(out.read_text())["results"]
+    # --profile: (c)'s GPU time by kernel kind; the k-bit model's GEMMs are k-bit kernels, bf16's are cuBLAS'
+    for r in rows:
+        if r["mode"] == "c" and r["format"] in ("k4", "bf16"):
+            kinds = r["kernels"]
+            assert kinds["kbit_gemm" if r["format"] == "k4" else "cublas"]["us"] > 0, kinds
+            assert ("kbit_gemm" in kinds) == (r["format"] == "k4"), kinds
     # Mode b at batch > 1 can fail inside torch 2.11's inductor cudagraph trees ("length mismatch between inputs,
     # recorded_data_ptr, and placeholders") for NF4 and k-bit alike; the bench reports such a cell and goes on.
     # Every other cell must run.
@@ -245,3 +252,17 @@ def test_decode_merge_of_runs_in_parts(tmp_path, capsys):
     assert len(merged["results"]) == 4 and merged["merged_from"] == ["one.json", "two.json"]
     with pytest.raises(SystemExit, match="was not run like"):
         bench_decode.main(["--merge", first, run("three.json", [("k4", "c", 1, 1.0)], gpu="GPU Y")])
+
+
+def test_decode_kernel_kinds():
+    import bench_decode
+
+    kind = bench_decode.kernel_kind
+    assert kind("void kbit::kbit_gemm_shared_a_kernel<kbit::KbitSharedAConfig<4, 1, 2, 2, true, 2, 4, true>>") == (
+        "kbit_gemm"
+    )
+    assert kind("nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT") == "cublas"
+    assert kind("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "cublas"
+    assert kind("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16") == "attention"
+    assert kind("triton_poi_fused_add_copy__18") == "triton"
+    assert kind("Memset (Device)") == "other"
