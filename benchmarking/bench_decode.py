@@ -189,13 +189,15 @@ def compile_counts():
 def kernel_kind(name: str) -> str:
     """The kind of a GPU kernel, by its name: the k-bit GEMM, cuBLAS, attention, Triton (inductor's fused ops), other."""
     n = name.lower()
+    if "triton" in n:  # inductor names a fused kernel after the ops around it ("triton_poi_fused_kbit_gemm_mul_silu")
+        return "triton"
     if "kbit" in n:
         return "kbit_gemm"
     if any(s in n for s in ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")):
         return "cublas"
     if any(s in n for s in ("flash", "fmha", "attention", "sdpa")):
         return "attention"
-    return "triton" if "triton" in n else "other"
+    return "other"
 
 
 def kernel_breakdown(run_step, steps: int = 5) -> dict:

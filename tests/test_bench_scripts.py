@@ -265,4 +265,5 @@ def test_decode_kernel_kinds():
     assert kind("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "cublas"
     assert kind("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16") == "attention"
     assert kind("triton_poi_fused_add_copy__18") == "triton"
+    assert kind("triton_poi_fused_kbit_gemm_mul_silu_8") == "triton"
     assert kind("Memset (Device)") == "other"
