@@ -2,7 +2,7 @@
 
     python benchmarking/bench_decode.py [--layers 32] [--formats bf16,nf4,k2,k3,k4,k5] [--modes a,b,c]
         [--batch 1,16] [--new-tokens 64] [--prompt-len 16] [--compile-mode default]
-        [--profile] [--json out.json] [--plot out.png]
+        [--fuse] [--profile] [--json out.json] [--plot out.png]
     python benchmarking/bench_decode.py --merge run1.json run2.json [--json out.json] [--plot out.png]
         # one table of runs made in parts (a later run's cell replaces an earlier one's)
     python benchmarking/bench_decode.py --tiny --device cpu      # the same code paths on a tiny model (no GPU)
@@ -125,6 +125,10 @@ def build_model(args, fmt):
         model.set_submodule(name, new.prepare_for_inference())
     model.config.quantization_config = qconfig
     how = f"BitsAndBytesKbitConfig(bnb_kbit_bits={fmt[1:]}) -> LinearKbit.from_linear for every nn.Linear but {skip}"
+    if args.fuse:
+        from bitsandbytes_kbit.nn import fuse_projections
+
+        how += f"; fuse_projections: {fuse_projections(model)} groups (q/k/v, gate/up) served by one GEMM each"
     return model, how
 
 
@@ -370,6 +374,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--tiny", action="store_true", help="toy widths (a check of the code paths, e.g. on the CPU)")
     p.add_argument(
+        "--fuse", action="store_true", help="k-bit models: fuse_projections (one GEMM for q/k/v, one for gate/up)"
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="(c) on CUDA: GPU time per step by kernel kind (k-bit GEMM, cuBLAS, ...)",
@@ -546,6 +553,7 @@ def main(argv=None):
                     "new_tokens": args.new_tokens,
                     "prompt_len": args.prompt_len,
                     "compile_mode": args.compile_mode,
+                    "fuse": args.fuse,
                     "builds": builds,
                     "results": results,
                 },

@@ -384,7 +384,7 @@ def conftest_edit(repo: Path):
 
 def nn_init_edit(repo: Path):
     path = repo / "bitsandbytes/nn/__init__.py"
-    line = "from .modules import KBIT_FORMAT_VERSION, LinearKbit, ParamsKbit\n"
+    line = "from .modules import KBIT_FORMAT_VERSION, LinearKbit, ParamsKbit, fuse_projections\n"
     return [write(repo, "bitsandbytes/nn/__init__.py", path.read_text().rstrip() + "\n" + line)]
 
 

@@ -32,7 +32,7 @@ from .. import _cpu
 from .. import functional as kbit_F
 from .._ops import ABSMAX_DTYPES, BLOCKSIZE, GEMM_DTYPES, SUPPORTED_K, check_k
 
-__all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit"]
+__all__ = ["KBIT_FORMAT_VERSION", "LinearKbit", "ParamsKbit", "fuse_projections"]
 
 # Version of the serialized layout described in the module docstring. Bump it when the meaning of
 # the stored tensors changes; the tiled (repacked) layout is not serialized and needs no bump.
@@ -245,6 +245,8 @@ class LinearKbit(nn.Linear):
         # Storage layout of weight/absmax: False = flat (checkpoint format), True = repacked for the
         # fused kernel. One copy only: a fused device converts in place at the first forward.
         self._tiled = False
+        # The _FusedProjections group serving this layer with its siblings (fuse_projections), or None.
+        self._fused: _FusedProjections | None = None
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -340,6 +342,7 @@ class LinearKbit(nn.Linear):
         )
         # The weight goes in last: forward's lock-free check reads it (is_quantized), so the other
         # tensors must already be in place when it turns int32.
+        self._unfuse()
         self._tiled = False
         self.k = params.k
         self.absmax = params.absmax
@@ -418,6 +421,7 @@ class LinearKbit(nn.Linear):
         # the packed weight, absmax, codebook and format between devices but never change their dtype.
         keep = {id(t) for t in self._storage_tensors()}
         was_on = self.weight.device.type
+        self._unfuse()
 
         def guarded(t):
             out = fn(t)
@@ -518,6 +522,7 @@ class LinearKbit(nn.Linear):
             fmt = state_dict[prefix + "kbit_format"]
             dev = self.weight.device
             with torch.no_grad(), _LAYOUT_LOCK:
+                self._unfuse()
                 self._tiled = False
                 self.k = int(fmt[1])
                 self.absmax = torch.empty_like(state_dict[prefix + "absmax"], device=dev)
@@ -533,6 +538,15 @@ class LinearKbit(nn.Linear):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_tiled", False)
+        self.__dict__.setdefault("_fused", None)
+
+    def _unfuse(self) -> None:
+        """Leave the sibling group (fuse_projections) before this layer's tensors change: every member then runs on
+        its own again (their tensors stay views of the group's, with the same values)."""
+        group = self.__dict__.get("_fused")
+        if group is not None:
+            for member in group.members:
+                member._fused = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # Checkpoints hold the flat format whatever the storage layout (DESIGN.md section 3).
@@ -551,6 +565,7 @@ class LinearKbit(nn.Linear):
         """Repack the weight in place for the fused kernel (once per load or quantization); the flat
         words are freed, so one copy of the packed weight exists."""
         if not self._tiled:
+            self._unfuse()
             B_packed, B_absmax = kbit_F.repack_kbit(
                 self.weight, self.absmax, self.k, self.out_features, self.padded_in_features
             )
@@ -561,6 +576,7 @@ class LinearKbit(nn.Linear):
     @torch.no_grad()
     def _to_flat(self) -> None:
         if self._tiled:
+            self._unfuse()
             packed, absmax = _flat_from_tiled(
                 self.weight, self.absmax, self.k, self.out_features, self.padded_in_features
             )
@@ -595,6 +611,8 @@ class LinearKbit(nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"LinearKbit: input has {x.shape[-1]} features; expected in_features={self.in_features}")
         compute_dtype = self.compute_dtype or x.dtype
+        if self._fused is not None and self._tiled and self._fused.serves(x, compute_dtype):
+            return self._fused.output(self, x, compute_dtype)
         h = x if x.dtype == compute_dtype else x.to(compute_dtype)
         bias = self.bias
         if bias is not None and bias.dtype != compute_dtype:
@@ -644,6 +662,137 @@ class LinearKbit(nn.Linear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"k={self.k}, codebook_size={self.codebook.numel()}{cd}"
         )
+
+
+# Sibling projections that read the same input in the blocks of common decoder models (Llama, Mistral, Qwen2, Gemma,
+# ...): attention's q/k/v and the gated MLP's gate/up.
+FUSABLE_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _FusedProjections:
+    """Sibling ``LinearKbit`` layers that read one input, served by one ``kbit_gemm`` over their concatenated rows.
+
+    The members' tiled weights, absmax and biases are views into the group's concatenated tensors (one copy). The
+    first member called with an input tensor runs the GEMM for all of them; a sibling called with the same tensor
+    object takes its columns of that output. A member called with another tensor (cross-attention's k and v) runs
+    the GEMM again, so results never depend on the call order; once every member has taken its columns, the group
+    lets go of the input and output. An input must not change in place between its siblings' calls."""
+
+    def __init__(self, members: list[LinearKbit]):
+        first = members[0]
+        self.members = members
+        self.k, self.K_pad, self.device = first.k, first.padded_in_features, first.weight.device
+        self.compute_dtype = first.compute_dtype
+        self.N = sum(m.out_features for m in members)
+        start = 0
+        for m in members:  # the member's columns of the group's output
+            m._fused_columns = (start, start + m.out_features)
+            start += m.out_features
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight.data for m in members])
+            self.absmax = torch.cat([m.absmax for m in members])
+            self.bias = torch.cat([m.bias.data for m in members]) if first.bias is not None else None
+            self.codebook = first.codebook
+            w0 = a0 = b0 = 0
+            for m in members:  # each member's tensors become views of the group's (concatenated along dim 0)
+                nw, na = m.weight.shape[0], m.absmax.shape[0]
+                m.weight.data = self.weight[w0 : w0 + nw]
+                m.absmax = self.absmax[a0 : a0 + na]
+                if self.bias is not None:
+                    m.bias.data = self.bias[b0 : b0 + m.out_features]
+                w0, a0, b0 = w0 + nw, a0 + na, b0 + m.out_features
+        for t in (self.weight, self.absmax, self.bias, self.codebook):
+            if t is not None:  # model weights for CUDA graphs (inductor's cudagraph trees): never copied per call
+                torch._dynamo.mark_static_address(t)
+        # (input, output, members yet to take their columns) of the last GEMM, or None: one tuple, replaced whole,
+        # so a thread reads one call's input and output together (threads sharing a group at most recompute)
+        self.state: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        for m in members:
+            m._fused = self
+
+    def serves(self, x: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+        """Whether the group's GEMM can answer this call: the fused kernel's dtypes, no autograd."""
+        return (
+            compute_dtype in GEMM_DTYPES
+            and x.device == self.device
+            and not (
+                torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
+            )
+        )
+
+    def output(self, member: LinearKbit, x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+        state = self.state
+        if state is None or state[0] is not x:
+            h = x if x.dtype == compute_dtype else x.to(compute_dtype)
+            if self.K_pad != h.shape[-1]:
+                h = F.pad(h, (0, self.K_pad - h.shape[-1]))
+            bias = self.bias
+            if bias is not None and bias.dtype != compute_dtype:
+                bias = bias.to(compute_dtype)
+            y = kbit_F._kbit_gemm_prepared(
+                h, self.weight, self.absmax, self.codebook, self.k, self.N, self.K_pad, bias
+            )
+            state = (x, y if y.dtype == x.dtype else y.to(x.dtype), len(self.members))
+        start, stop = member._fused_columns
+        self.state = (state[0], state[1], state[2] - 1) if state[2] > 1 else None
+        return state[1][..., start:stop]
+
+
+def _fusable(members: list[LinearKbit]) -> bool:
+    first = members[0]
+    same = (
+        first.in_features,
+        first.padded_in_features,
+        first.k,
+        first.compute_dtype,
+        first.bias is None,
+        first.weight.device,
+        first.absmax.dtype,
+    )
+    for m in members:
+        key = (
+            m.in_features,
+            m.padded_in_features,
+            m.k,
+            m.compute_dtype,
+            m.bias is None,
+            m.weight.device,
+            m.absmax.dtype,
+        )
+        if key != same or m._fused is not None or not m._tiled or not torch.equal(m.codebook, first.codebook):
+            return False
+        if m.bias is not None and (m.bias.dtype != first.bias.dtype or m.bias.requires_grad):
+            return False
+    # the tiled layout pads every layer's rows to 16: concatenated, only the last may end off a 16-row boundary
+    return all(m.out_features % 16 == 0 for m in members[:-1])
+
+
+def fuse_projections(model: nn.Module, groups: tuple[tuple[str, ...], ...] = FUSABLE_SIBLINGS) -> int:
+    """Serve the sibling k-bit projections that read one input (attention's q/k/v, the MLP's gate/up) with one GEMM
+    per group, for inference on a device with the fused kernel (CUDA). Returns the number of groups fused now
+    (groups already fused stay as they are).
+
+    A group is a module's children named as one entry of ``groups``, all ``LinearKbit`` with the same input width,
+    k, codebook, absmax format, compute dtype, device and bias presence, and row counts on 16-row boundaries (all
+    but the last). Nothing else changes: each layer keeps its weight (a view into the group's concatenated one),
+    ``state_dict`` and checkpoints are as before, and a layer called alone still works. Loading, moving or
+    re-quantizing a member dissolves its group (call again to fuse anew). Training (inputs or biases that require
+    grad) takes the layers one by one."""
+    count = 0
+    for parent in model.modules():
+        for names in groups:
+            members = [getattr(parent, name, None) for name in names]
+            if not all(isinstance(m, LinearKbit) and m.is_quantized for m in members):
+                continue
+            device = members[0].weight.device.type
+            if any(m.weight.device.type != device or device not in m.fused_device_types for m in members):
+                continue
+            for m in members:
+                m.prepare_for_inference()
+            if _fusable(members):
+                _FusedProjections(members)
+                count += 1
+    return count
 
 
 def num_parameters(module: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
