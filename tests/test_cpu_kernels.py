@@ -19,7 +19,9 @@ from bitsandbytes_kbit.backends.default.ops import dequantize_kbit_impl
 from bitsandbytes_kbit.nn import LinearKbit
 from bitsandbytes_kbit.nn.modules import padded_features
 
-pytestmark = pytest.mark.skipif(not _cpu.AVAILABLE, reason="the CPU library was not built (no C++ compiler)")
+pytestmark = pytest.mark.skipif(
+    not _cpu.AVAILABLE, reason="the CPU kernels' library is not present (built where a C++ compiler exists)"
+)
 
 ISAS = [isa for isa in range(len(_cpu.ISA_NAMES)) if isa <= _cpu.isa]
 ABSMAX_FORMATS = {"e4m4": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
