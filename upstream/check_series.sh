@@ -34,7 +34,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KBIT_TESTS=(tests/test_kbit_quantization.py tests/test_kbit_format_properties.py tests/test_kbit_scale_search.py
     tests/test_kbit_gemm.py tests/test_linear_kbit.py tests/test_kbit_cpu_kernels.py tests/test_transformers_kbit.py
-    tests/test_peft_kbit.py)
+    tests/test_peft_kbit.py tests/test_kbit_fuse_projections.py)
 UPSTREAM_MARKERS="not slow and not benchmark and not deprecated"
 
 die() {

@@ -479,6 +479,7 @@ def series() -> list[Step]:
                 copy_file("docs/usage.md", "docs/kbit/usage.md", rename_python),
                 new_py("tests/test_transformers_kbit.py", "tests/test_transformers_kbit.py", port_test),
                 new_py("tests/test_peft_kbit.py", "tests/test_peft_kbit.py", port_test),
+                new_py("tests/test_fuse_projections.py", "tests/test_kbit_fuse_projections.py", port_test),
             ],
         ),
         Step(
