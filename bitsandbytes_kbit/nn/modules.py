@@ -172,6 +172,18 @@ class _KbitLinearFunction(torch.autograd.Function):
         return grad_x, None, None, None, grad_bias, None, None, None, None
 
 
+def _tiled_gemm(x, compute_dtype, weight, absmax, codebook, k: int, N: int, K_pad: int, bias) -> torch.Tensor:
+    """x [..., <= K_pad] times a tiled k-bit weight [N, K_pad] (+ bias) by the fused kernel, without autograd: x cast to
+    compute_dtype and zero-padded to K_pad features; the output in x's dtype."""
+    h = x if x.dtype == compute_dtype else x.to(compute_dtype)
+    if h.shape[-1] != K_pad:
+        h = F.pad(h, (0, K_pad - h.shape[-1]))
+    if bias is not None and bias.dtype != compute_dtype:
+        bias = bias.to(compute_dtype)
+    y = kbit_F._kbit_gemm_prepared(h, weight, absmax, codebook, k, N, K_pad, bias)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 class LinearKbit(nn.Linear):
     """A linear layer with a k-bit blockwise-quantized weight (blocksize 32, E4M4 absmax, codebook).
 
@@ -613,14 +625,27 @@ class LinearKbit(nn.Linear):
         compute_dtype = self.compute_dtype or x.dtype
         if self._fused is not None and self._tiled and self._fused.serves(x, compute_dtype):
             return self._fused.output(self, x, compute_dtype)
-        h = x if x.dtype == compute_dtype else x.to(compute_dtype)
-        bias = self.bias
-        if bias is not None and bias.dtype != compute_dtype:
-            bias = bias.to(compute_dtype)
-        fused = compute_dtype in GEMM_DTYPES and h.device.type in self.fused_device_types
+        fused = compute_dtype in GEMM_DTYPES and x.device.type in self.fused_device_types
         if fused != self._tiled or not (fused or self.is_quantized):  # a tiled weight is quantized
             self._ensure_layout(fused)
-        inference = not (torch.is_grad_enabled() and (h.requires_grad or (bias is not None and bias.requires_grad)))
+        bias = self.bias
+        inference = not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+        if fused and inference:
+            # Inference: no autograd node, and an eager call goes straight to the kernel.
+            return _tiled_gemm(
+                x,
+                compute_dtype,
+                self.weight,
+                self.absmax,
+                self.codebook,
+                self.k,
+                self.out_features,
+                self.padded_in_features,
+                bias,
+            )
+        h = x if x.dtype == compute_dtype else x.to(compute_dtype)
+        if bias is not None and bias.dtype != compute_dtype:
+            bias = bias.to(compute_dtype)
         if inference and not fused and h.device.type == "cpu" and _cpu.AVAILABLE:
             # The CPU kernels read the flat weight and the unpadded input (no float copy of W, no pad).
             y = _cpu.linear_any(
@@ -637,23 +662,17 @@ class LinearKbit(nn.Linear):
             return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.padded_in_features != self.in_features:
             h = F.pad(h, (0, self.padded_in_features - self.in_features))
-        if fused and inference:
-            # Inference: no autograd node, and an eager call goes straight to the kernel.
-            y = kbit_F._kbit_gemm_prepared(
-                h, self.weight, self.absmax, self.codebook, self.k, self.out_features, self.padded_in_features, bias
-            )
-        else:
-            y = _KbitLinearFunction.apply(
-                h,
-                self.weight,
-                self.absmax,
-                self.codebook,
-                bias,
-                fused,
-                self.k,
-                self.out_features,
-                self.padded_in_features,
-            )
+        y = _KbitLinearFunction.apply(
+            h,
+            self.weight,
+            self.absmax,
+            self.codebook,
+            bias,
+            fused,
+            self.k,
+            self.out_features,
+            self.padded_in_features,
+        )
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -723,16 +742,10 @@ class _FusedProjections:
     def output(self, member: LinearKbit, x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         state = self.state
         if state is None or state[0] is not x:
-            h = x if x.dtype == compute_dtype else x.to(compute_dtype)
-            if self.K_pad != h.shape[-1]:
-                h = F.pad(h, (0, self.K_pad - h.shape[-1]))
-            bias = self.bias
-            if bias is not None and bias.dtype != compute_dtype:
-                bias = bias.to(compute_dtype)
-            y = kbit_F._kbit_gemm_prepared(
-                h, self.weight, self.absmax, self.codebook, self.k, self.N, self.K_pad, bias
+            y = _tiled_gemm(
+                x, compute_dtype, self.weight, self.absmax, self.codebook, self.k, self.N, self.K_pad, self.bias
             )
-            state = (x, y if y.dtype == x.dtype else y.to(x.dtype), len(self.members))
+            state = (x, y, len(self.members))
         start, stop = member._fused_columns
         self.state = (state[0], state[1], state[2] - 1) if state[2] > 1 else None
         return state[1][..., start:stop]
