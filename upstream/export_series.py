@@ -87,15 +87,24 @@ def rename_python(text: str) -> str:
     return re.sub(rf"\b{PKG}\b", "bitsandbytes", text).replace(keep, f'"{PKG}"')
 
 
-def _top_level_names(tree: ast.Module) -> set[str]:
+def _module_level_names(body: list[ast.stmt], imports: bool = True) -> set[str]:
+    """Names a module binds at its top level, also inside if / try / with blocks (not inside functions or classes);
+    with ``imports``, also the names its imports bind."""
     names = set()
-    for node in tree.body:
+    for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            continue
+        if imports and isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        nested = [getattr(node, block, None) or [] for block in ("body", "orelse", "finalbody")]
+        nested += [handler.body for handler in getattr(node, "handlers", None) or []]
+        for block in nested:
+            names |= _module_level_names(block, imports)
     return names
 
 
@@ -114,7 +123,11 @@ def merge_python(upstream: str, ours: str, where: str) -> str:
     our_lines = ours.splitlines()
     up_lines = upstream.splitlines()
 
-    clash = (_top_level_names(up_tree) & _top_level_names(our_tree)) - {"_", "register_fake", "register_kernel"}
+    clash = (_module_level_names(up_tree.body, False) & _module_level_names(our_tree.body, False)) - {
+        "_",
+        "register_fake",
+        "register_kernel",
+    }
     if clash:
         raise ExportError(f"{where}: names defined both upstream and here: {sorted(clash)}")
 
@@ -545,26 +558,6 @@ def _module_file(repo: Path, module: str) -> Path | None:
         if path.is_file():
             return path
     return None
-
-
-def _module_level_names(body: list[ast.stmt]) -> set[str]:
-    """Names a module binds at its top level, also inside if / try / with blocks (not inside functions or classes)."""
-    names = set()
-    for node in body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for target in targets:
-                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-        for block in ("body", "orelse", "finalbody"):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names |= _module_level_names(getattr(node, block, []) or [])
-        for handler in getattr(node, "handlers", []) or []:
-            names |= _module_level_names(handler.body)
-    return names
 
 
 def unresolved_imports(repo: Path, files: list[str]) -> list[str]:
