@@ -145,3 +145,36 @@ def test_threads_sharing_a_fused_model_get_their_own_results():
     for th in threads:
         th.join()
     assert not errors, errors[0]
+
+
+class _Attention(nn.Module):
+    def __init__(self, rows, bias, k=4, seed=0):
+        super().__init__()
+        g = seeded("fuse-attn", *rows, bias, seed)
+        for name, n in zip(("q_proj", "k_proj", "v_proj"), rows):
+            lin = nn.Linear(96, n, bias=bias)
+            with torch.no_grad():
+                lin.weight.copy_(torch.randn(n, 96, generator=g) * 0.1)
+                if bias:
+                    lin.bias.copy_(torch.randn(n, generator=g))
+            layer = LinearKbit.from_linear(lin, k=k)
+            layer.fused_device_types = ("cpu",)
+            setattr(self, name, layer.prepare_for_inference())
+
+    def forward(self, x):
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+
+@pytest.mark.parametrize("rows", [(64, 32, 40), (48, 16, 8)], ids=["last-off-16", "small"])
+def test_biases_and_a_last_layer_off_the_16_row_tile(rows):
+    """Biases are concatenated with the rows; the last layer may end off a 16-row tile (its padding rows follow it)."""
+    module, ref = _Attention(rows, True, seed=1), _Attention(rows, True, seed=1)
+    assert fuse_projections(module) == 1
+    x = torch.randn(5, 96, generator=seeded("fuse-bias", *rows)).to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x).float(), ref(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_middle_layer_off_the_16_row_tile_is_not_fused():
+    module = _Attention((64, 40, 32), False)
+    assert fuse_projections(module) == 0 and module.q_proj._fused is None

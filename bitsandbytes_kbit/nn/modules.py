@@ -774,7 +774,7 @@ def _fusable(members: list[LinearKbit]) -> bool:
         )
         if key != same or m._fused is not None or not m._tiled or not torch.equal(m.codebook, first.codebook):
             return False
-        if m.bias is not None and (m.bias.dtype != first.bias.dtype or m.bias.requires_grad):
+        if m.bias is not None and m.bias.dtype != first.bias.dtype:
             return False
     # the tiled layout pads every layer's rows to 16: concatenated, only the last may end off a 16-row boundary
     return all(m.out_features % 16 == 0 for m in members[:-1])
