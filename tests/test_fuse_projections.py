@@ -178,3 +178,18 @@ def test_biases_and_a_last_layer_off_the_16_row_tile(rows):
 def test_a_middle_layer_off_the_16_row_tile_is_not_fused():
     module = _Attention((64, 40, 32), False)
     assert fuse_projections(module) == 0 and module.q_proj._fused is None
+
+
+def test_a_bias_that_requires_grad_gets_its_gradient():
+    """With grad mode on, a member whose bias requires grad takes its own path (the group's concatenated bias
+    records no autograd): the bias gets its gradient; under no_grad the group serves it."""
+    module = _Attention((32, 16, 16), True, seed=2)
+    fuse_projections(module)
+    x = torch.randn(3, 96, generator=seeded("fuse-bias-grad")).to(torch.bfloat16)
+    module(x).float().sum().backward()
+    assert all(getattr(module, n).bias.grad is not None for n in ("q_proj", "k_proj", "v_proj"))
+    assert module.q_proj._fused is not None
+    with torch.no_grad():
+        y = module.q_proj(x)
+    assert module.q_proj._fused.state is not None and module.q_proj._fused.state[0] is x
+    assert y.shape == (3, 32)

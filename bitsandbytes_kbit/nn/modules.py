@@ -172,6 +172,11 @@ class _KbitLinearFunction(torch.autograd.Function):
         return grad_x, None, None, None, grad_bias, None, None, None, None
 
 
+def _needs_grad(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a call must record autograd: grad mode on and the input or the bias requires grad."""
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+
+
 def _tiled_gemm(x, compute_dtype, weight, absmax, codebook, k: int, N: int, K_pad: int, bias) -> torch.Tensor:
     """x [..., <= K_pad] times a tiled k-bit weight [N, K_pad] (+ bias) by the fused kernel, without autograd: x cast to
     compute_dtype and zero-padded to K_pad features; the output in x's dtype."""
@@ -623,13 +628,13 @@ class LinearKbit(nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"LinearKbit: input has {x.shape[-1]} features; expected in_features={self.in_features}")
         compute_dtype = self.compute_dtype or x.dtype
-        if self._fused is not None and self._tiled and self._fused.serves(x, compute_dtype):
+        if self._fused is not None and self._tiled and self._fused.serves(x, compute_dtype, self.bias):
             return self._fused.output(self, x, compute_dtype)
         fused = compute_dtype in GEMM_DTYPES and x.device.type in self.fused_device_types
         if fused != self._tiled or not (fused or self.is_quantized):  # a tiled weight is quantized
             self._ensure_layout(fused)
         bias = self.bias
-        inference = not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+        inference = not _needs_grad(x, bias)
         if fused and inference:
             # Inference: no autograd node, and an eager call goes straight to the kernel.
             return _tiled_gemm(
@@ -729,15 +734,10 @@ class _FusedProjections:
         for m in members:
             m._fused = self
 
-    def serves(self, x: torch.Tensor, compute_dtype: torch.dtype) -> bool:
-        """Whether the group's GEMM can answer this call: the fused kernel's dtypes, no autograd."""
-        return (
-            compute_dtype in GEMM_DTYPES
-            and x.device == self.device
-            and not (
-                torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
-            )
-        )
+    def serves(self, x: torch.Tensor, compute_dtype: torch.dtype, bias: torch.Tensor | None) -> bool:
+        """Whether the group's GEMM can answer a member's call: the fused kernel's dtypes, and no autograd through
+        the input or the member's own bias (the group's concatenated bias records none)."""
+        return compute_dtype in GEMM_DTYPES and x.device == self.device and not _needs_grad(x, bias)
 
     def output(self, member: LinearKbit, x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         state = self.state
