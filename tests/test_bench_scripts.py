@@ -232,10 +232,10 @@ def test_decode_merge_of_runs_in_parts(tmp_path, capsys):
     earlier one's; runs made differently (another GPU) are refused."""
     import bench_decode
 
-    def run(name, rows, gpu="GPU X"):
+    def run(name, rows, gpu="GPU X", fuse=False):
         path = tmp_path / name
         head = {"gpu": gpu, "torch": "2.x", "transformers": "5.x", "layers": None, "tiny": False, "new_tokens": 64}
-        head.update(prompt_len=16, compile_mode="default", builds={r[0]: r[0] for r in rows})
+        head.update(prompt_len=16, compile_mode="default", fuse=fuse, builds={r[0]: r[0] for r in rows})
         results = [
             {"format": f, "mode": m, "batch": b, "tokens_per_s": t, "ms_per_token": 1e3 / t} for f, m, b, t in rows
         ]
@@ -243,13 +243,20 @@ def test_decode_merge_of_runs_in_parts(tmp_path, capsys):
         return str(path)
 
     first = run("one.json", [("bf16", "c", 1, 100.0), ("k4", "c", 1, 150.0)])
-    second = run("two.json", [("k4", "c", 1, 170.0), ("bf16", "c", 16, 50.0), ("k4", "c", 16, 80.0)])
+    second = run("two.json", [("k4", "c", 1, 170.0), ("bf16", "c", 16, 50.0), ("k4", "c", 16, 80.0)], fuse=True)
     out = tmp_path / "merged.json"
     bench_decode.main(["--merge", first, second, "--json", str(out)])
     table = capsys.readouterr().out
-    assert "| k4 | 170.0 (1.70x) | 80.0 (1.60x) |" in table
+    # the fused run's k-bit cells stay marked in the union (its bf16 cell is not fused)
+    assert "| k4 | 170.0 (1.70x) fused | 80.0 (1.60x) fused |" in table and "| bf16 | 100.0 (1.00x) | 50.0" in table
     merged = json.loads(out.read_text())
     assert len(merged["results"]) == 4 and merged["merged_from"] == ["one.json", "two.json"]
+    assert {(r["format"], r["batch"]): r["fuse"] for r in merged["results"]} == {
+        ("bf16", 1): False,
+        ("k4", 1): True,
+        ("bf16", 16): False,
+        ("k4", 16): True,
+    }
     with pytest.raises(SystemExit, match="was not run like"):
         bench_decode.main(["--merge", first, run("three.json", [("k4", "c", 1, 1.0)], gpu="GPU Y")])
 
@@ -267,3 +274,22 @@ def test_decode_kernel_kinds():
     assert kind("triton_poi_fused_add_copy__18") == "triton"
     assert kind("triton_poi_fused_kbit_gemm_mul_silu_8") == "triton"
     assert kind("Memset (Device)") == "other"
+
+
+def test_decode_timed_runs_without_torch_logs(monkeypatch):
+    """The logs that bench_decode turns on to count skipped cudagraphs are off while (a) and (b) are timed (their
+    records cost host time per compiled call) and back on afterwards, also when the timed run fails."""
+    import bench_decode
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch._logging, "set_logs", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(bench_decode, "_logs_on", True)
+    with pytest.raises(RuntimeError), bench_decode.quiet_torch_logs():
+        assert calls == [{}]
+        raise RuntimeError("a failing timed run")
+    assert calls == [{}, bench_decode.TORCH_LOGS_ON]
+    monkeypatch.setattr(bench_decode, "_logs_on", False)  # main() did not turn them on: nothing to switch
+    with bench_decode.quiet_torch_logs():
+        pass
+    assert len(calls) == 2
