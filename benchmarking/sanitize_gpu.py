@@ -3,7 +3,10 @@
     python benchmarking/sanitize_gpu.py                 # the four tools at once, one process each (5 min at most)
     python benchmarking/sanitize_gpu.py --tools memcheck --limit 20
     python benchmarking/sanitize_gpu.py --tools racecheck --part 2/8   # every 8th GEMM call from the 2nd (racecheck
-                                                                       # over all of them takes ~20 min)
+                                                                       # over all 336 takes ~4 min on an H200)
+    BNB_KBIT_LIBRARY=.whl/variants/lineinfo.so python benchmarking/sanitize_gpu.py --tools racecheck
+        # racecheck's reports name source lines only on a -lineinfo build (dev/build_variant.sh lineinfo -lineinfo),
+        # which the one known tool limitation (RACECHECK_MBARRIER_WAR below) is recognised by
     python benchmarking/sanitize_gpu.py --cases         # the cases alone, without a sanitizer (what each tool runs)
 
 The cases: every GEMM config the device runs (forced, and the dispatcher's own choice) x k = 2..5 x fp16 / bf16 on
