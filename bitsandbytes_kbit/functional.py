@@ -309,8 +309,8 @@ def quantize_kbit(
     check_not_capturing("quantize_kbit", A)
     cb = resolve_codebook(codebook, k, A.device)
     limit = {"e4m4": E4M4_MAX, "fp16": _FP16_MAX}.get(absmax_format)
-    # Data-dependent (one sync, the only one of an eager call), so not traced: under torch.compile the backend op
-    # checks finiteness. max |A| is NaN or Inf when any element is (max propagates NaN), so it checks both.
+    # Data-dependent (one sync, the only one of an eager call), so not traced (compiled: the assert below). max |A| is
+    # NaN or Inf when any element is (max propagates NaN), so it checks both.
     checked = A.numel() > 0 and A.is_floating_point() and not torch.compiler.is_compiling()
     if checked:
         amax = float(A.detach().abs().max())
@@ -329,6 +329,14 @@ def quantize_kbit(
                 UserWarning,
                 stacklevel=2,
             )
+    elif A.numel() > 0 and A.is_floating_point() and torch.compiler.is_compiling():
+        # Compiled, the host cannot read max |A|: an assert in the graph refuses NaN, Inf and values past the absmax
+        # range instead (raised at run time; on CUDA a device-side assert, which ends the process's CUDA context).
+        amax = A.detach().abs().amax()
+        torch._assert_async(
+            torch.isfinite(amax) if limit is None else amax <= limit,
+            f"quantize_kbit: A contains NaN or Inf, or max |A| exceeds the largest {absmax_format} absmax ({limit})",
+        )
     if scale_method == "mse":
         check_quantize_args(A, cb, k, ABSMAX_FORMATS[absmax_format])  # the op's own checks
         if not checked and not torch.compiler.is_compiling():  # data-dependent; skipped under compile as above
@@ -367,6 +375,15 @@ _eager_quantize: dict = {}
 _mse_quantize: dict = {}
 
 
+def nan_padded_codebook(codebook: torch.Tensor, k: int) -> torch.Tensor:
+    """A codebook of fewer than 2^k levels extended to 2^k with NaN: where the indices cannot be checked (every call of
+    a GEMM, CUDA-graph capture, torch.compile), an index past the levels then reads NaN, which propagates."""
+    missing = 2**k - codebook.numel()
+    if missing <= 0:
+        return codebook
+    return torch.cat([codebook, codebook.new_full((missing,), float("nan"))])
+
+
 def dequantize_kbit(
     packed: torch.Tensor,
     absmax: torch.Tensor,
@@ -384,21 +401,22 @@ def dequantize_kbit(
     A tensor codebook is sorted, as ``quantize_kbit`` sorts it (the indices refer to the sorted
     levels), so the codebook given to ``quantize_kbit`` and the one it returned give the same
     values. A codebook shorter than 2^k must have an entry for every stored index (else ValueError;
-    checking it costs one sync on CUDA)."""
+    checking it costs one sync on CUDA; a CUDA call under CUDA-graph capture or torch.compile does
+    not check, and a missing entry reads NaN)."""
     check_int("dequantize_kbit", "n", n)
     if isinstance(codebook, torch.Tensor):
         check_k("dequantize_kbit", k)
         cb = torch.sort(codebook).values if codebook.dim() == 1 else codebook
     else:
         cb = resolve_codebook(codebook, k, packed.device)
-    if (
-        isinstance(packed, torch.Tensor)
-        and packed.device.type == "cuda"
-        and cb.numel() < 2**k
-        and not torch.compiler.is_compiling()
-    ):
-        # The default backend checks this in the op; the CUDA kernel would read 0.0.
-        check_indices_in_codebook("dequantize_kbit", packed.reshape(-1), cb, k)
+    if isinstance(packed, torch.Tensor) and packed.device.type == "cuda" and cb.numel() < 2**k:
+        # The default backend checks this in the op; the CUDA kernel would read 0.0 for a missing entry. Eager calls
+        # check (one sync); under capture or compile, where the host cannot read the indices, a missing entry reads
+        # NaN instead.
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            cb = nan_padded_codebook(cb, k)
+        else:
+            check_indices_in_codebook("dequantize_kbit", packed.reshape(-1), cb, k)
     if out is not None:
         torch.ops.bitsandbytes.dequantize_kbit.out(packed, absmax, cb, k, n, dtype, out)
         return out
@@ -423,6 +441,9 @@ def unrepack_kbit(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``repack_kbit``: the flat words (int32, 1-D) and absmax (1-D, the dtype of ``B_absmax``) of a
     tiled weight W[N, K], bit-exact. Pure PyTorch on the tensors' device; used to save a repacked weight flat."""
+    check_k("unrepack_kbit", k)
+    check_int("unrepack_kbit", "N", N, 1)
+    check_int("unrepack_kbit", "K", K, 1)
     _ops.check_weight_shape("unrepack_kbit", k, N, K)
     words, n_absmax = _ops.tiled_sizes(k, N, K)
     if B_packed.numel() != words or B_absmax.numel() != n_absmax:
@@ -448,11 +469,20 @@ def kbit_gemm(
 
     A is float16 or bfloat16 of shape [..., K] (leading dims are flattened to M, any M >= 1);
     C has shape [..., N] and A's dtype; accumulation is float32. With ``out`` the result is
-    written in place and nothing is allocated (CUDA-graph friendly)."""
+    written in place and nothing is allocated (CUDA-graph friendly).
+
+    A codebook shorter than 2^k is used with NaN for its missing entries, so a weight whose indices it does not
+    cover gives NaN, not a silently wrong product (checking the indices would read the whole weight every call;
+    ``LinearKbit`` checks them once, at load)."""
     if not isinstance(codebook, torch.Tensor):
         raise TypeError(
             f"kbit_gemm: codebook is {type(codebook).__name__}; expected the float32 tensor quantize_kbit returned"
         )
+    check_k("kbit_gemm", k)
+    check_int("kbit_gemm", "N", N, 1)
+    check_int("kbit_gemm", "K", K, 1)
+    if codebook.dim() == 1 and 1 <= codebook.numel() < 2**k:
+        codebook = nan_padded_codebook(codebook, k)
     launch = _eager_launcher(A, bias)
     if launch is not None:
         check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K, bias)

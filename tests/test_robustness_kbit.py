@@ -76,6 +76,7 @@ def test_load_rejects_bad_tensors_before_changing_anything():
         "codebook too short": (dict(sd, codebook=sd["codebook"][:3].contiguous()), r"uses index [3-6]"),
         "padded": (dict(sd, kbit_format=torch.tensor([1, 3, 48, 70, 64], dtype=torch.int32)), "padded_in_features=64"),
         "version 0": (dict(sd, kbit_format=torch.tensor([0, 3, 48, 70, 96], dtype=torch.int32)), "format version 0"),
+        "unsorted codebook": (dict(sd, codebook=sd["codebook"].flip(0).contiguous()), "not in ascending order"),
     }
     for bad, message in cases.values():
         for target in (LinearKbit(70, 48, k=4), LinearKbit.from_linear(make_linear(70, 48, "t2"), k=5)):
@@ -83,6 +84,16 @@ def test_load_rejects_bad_tensors_before_changing_anything():
             with pytest.raises(RuntimeError, match=message):
                 target.load_state_dict(bad)
             _assert_unchanged(target, before)
+    # shapes that torch's own loading refuses only after copying the other tensors
+    for bad, message in (
+        (dict(sd, bias=torch.zeros(47)), r"bias has shape \(47,\); expected \(48,\)"),
+        ({"weight": torch.randn(47, 70), "bias": torch.zeros(48)}, r"weight is a float tensor of shape \(47, 70\)"),
+    ):
+        target = LinearKbit.from_linear(make_linear(70, 48, "t4"), k=5)
+        before = _snapshot(target)
+        with pytest.raises(RuntimeError, match=message):
+            target.load_state_dict(bad)
+        _assert_unchanged(target, before)
     # the untouched state still loads, and a codebook exactly as long as the indices need is accepted
     target = LinearKbit(70, 48, k=4)
     target.load_state_dict(sd)
@@ -234,6 +245,19 @@ def test_unclear_argument_errors_name_the_argument():
         F.kbit_gemm(x, Bp, Ba, None, 4, 32, 64)
     with pytest.raises(TypeError, match=r"repack_kbit: N=32.0 is a float"):
         F.repack_kbit(p2, a2, 4, 32.0, 64)
+    for bad in (4.0, "4", True):
+        with pytest.raises(TypeError, match=rf"kbit_gemm: k={bad!r} is a {type(bad).__name__}; expected an int"):
+            F.kbit_gemm(x, Bp, Ba, cb, bad, 32, 64)
+    with pytest.raises(TypeError, match=r"kbit_gemm: N=32.0 is a float; expected an int"):
+        F.kbit_gemm(x, Bp, Ba, cb, 4, 32.0, 64)
+    with pytest.raises(TypeError, match=r"kbit_gemm: K=64.0 is a float; expected an int"):
+        F.kbit_gemm(x, Bp, Ba, cb, 4, 32, 64.0)
+    with pytest.raises(ValueError, match=r"kbit_gemm: N=9223372036854775808 is out of range"):
+        F.kbit_gemm(x, Bp, Ba, cb, 4, 2**63, 64)
+    with pytest.raises(TypeError, match=r"unrepack_kbit: N=32.0 is a float; expected an int"):
+        F.unrepack_kbit(Bp, Ba, 4, 32.0, 64)
+    with pytest.raises(TypeError, match=r"unrepack_kbit: k='4' is a str"):
+        F.unrepack_kbit(Bp, Ba, "4", 32, 64)
     import numpy as np
 
     assert torch.equal(
@@ -275,6 +299,52 @@ def test_codebook_shorter_than_the_indices_is_an_error_cuda():
     packed, absmax, short = _too_short_codebook_case("cuda")
     with pytest.raises(ValueError, match=r"codebook has 4 entries but packed holds index 6"):
         F.dequantize_kbit(packed, absmax, short, 3, 96)
+    # under CUDA-graph capture the host cannot read the indices: capture works and the missing levels read NaN
+    expected = F.dequantize_kbit(packed.cpu(), absmax.cpu(), F.nan_padded_codebook(short.cpu(), 3), 3, 96)
+    assert 0 < int(torch.isnan(expected).sum()) < 96
+    out = torch.empty(96, dtype=torch.float16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        F.dequantize_kbit(packed, absmax, short, 3, 96, out=out)
+    out.zero_()
+    graph.replay()
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_gemm_with_a_codebook_shorter_than_the_indices_gives_nan(device):
+    """kbit_gemm cannot check the indices every call: the levels a short codebook lacks read NaN, so a weight it
+    does not cover gives NaN rows instead of a silently wrong product; a codebook that covers them is exact."""
+    W = torch.linspace(-1, 1, 32 * 64).view(32, 64)  # rows 0..15 negative, 16..31 positive
+    packed, absmax, cb = F.quantize_kbit(W, k=3, codebook="uniform", scale_method="absmax")  # 7 levels, 0..6
+    Bp, Ba = (t.to(device) for t in F.repack_kbit(packed, absmax, 3, 32, 64))
+    cb = cb.to(device)
+    x = torch.randn(2, 64, generator=seeded("short-gemm")).half().to(device)
+    full = F.kbit_gemm(x, Bp, Ba, cb, 3, 32, 64)
+    assert torch.isfinite(full).all()
+    # which rows use the top level (flat layout: a row of 64 is 2 blocks of k = 3 words)
+    uses_top = [r for r in range(32) if F.max_stored_index(packed[r * 6 : (r + 1) * 6], 3) == 6]
+    rest = [r for r in range(32) if r not in uses_top]
+    assert uses_top and rest
+    y = F.kbit_gemm(x, Bp, Ba, cb[:6].contiguous(), 3, 32, 64)  # lacks the top level
+    assert torch.isnan(y[:, uses_top]).all()
+    assert torch.equal(y[:, rest], full[:, rest])
+
+
+@pytest.mark.parametrize("scale_method", ["absmax", "mse"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 40.0], ids=["nan", "inf", "above-e4m4"])
+def test_compiled_quantize_refuses_what_eager_refuses(bad, scale_method):
+    """Compiled, quantize_kbit cannot read max |A| on the host: an assert in the graph raises at run time (on CUDA a
+    device-side assert) for the inputs the eager call refuses with a ValueError."""
+    A = torch.randn(4, 64, generator=seeded("compile-bad"))
+    compiled = torch.compile(lambda a: F.quantize_kbit(a, k=3, scale_method=scale_method), fullgraph=True)
+    for got, want in zip(compiled(A), F.quantize_kbit(A, k=3, scale_method=scale_method)):
+        assert torch.equal(got, want)
+    A[1, 5] = bad
+    with pytest.raises(ValueError):
+        F.quantize_kbit(A, k=3, scale_method=scale_method)
+    with pytest.raises(RuntimeError, match="quantize_kbit: A contains NaN or Inf, or max"):
+        compiled(A)
 
 
 def test_quantize_compiles_fullgraph():

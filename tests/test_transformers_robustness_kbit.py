@@ -1,4 +1,5 @@
-"""transformers cases of issue 66: codebooks in the config, GPT-2 Conv1D layers, parameter counts."""
+"""transformers cases of issue 66: codebooks in the config, corrupted k-bit checkpoints, GPT-2 Conv1D layers, parameter
+counts."""
 
 import copy
 import os
@@ -58,6 +59,74 @@ def test_non_numeric_codebook_list_is_a_clear_error():
         BitsAndBytesKbitConfig(bnb_kbit_bits=2, bnb_kbit_codebook=[-1.0, "a", 1.0])
     with pytest.raises(TypeError, match=r"bnb_kbit_codebook=5.*expected"):
         BitsAndBytesKbitConfig(bnb_kbit_bits=2, bnb_kbit_codebook=5)
+    for bits in (4.0, "4", True):
+        with pytest.raises(TypeError, match=rf"BitsAndBytesKbitConfig: bnb_kbit_bits={bits!r} is a .*expected an int"):
+            BitsAndBytesKbitConfig(bnb_kbit_bits=bits)
+
+
+@pytest.fixture(scope="module")
+def kbit_checkpoint(llama_dir, tmp_path_factory):
+    """A k = 3 checkpoint of the tiny Llama (uniform codebook: 7 levels, fewer than 2^3), its one safetensors file's
+    tensors and the logits of the model that wrote it."""
+    from safetensors.torch import load_file
+
+    path = tmp_path_factory.mktemp("robust-kbit")
+    model = _load(llama_dir, bnb_kbit_bits=3, bnb_kbit_codebook="uniform")
+    model.save_pretrained(path)
+    with torch.no_grad():
+        logits = model(IDS).logits
+    (name,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    return path, name, load_file(path / name), logits
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _uniform_3bit_codebook_too_short(sd):
+    sd[f"{Q}.codebook"] = sd[f"{Q}.codebook"][:3].clone()  # the weight holds indices up to 6
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda sd: sd.pop(f"{Q}.absmax"), rf"lacks {Q}.absmax"),
+        (lambda sd: sd.pop(f"{Q}.codebook"), rf"lacks {Q}.codebook"),
+        (lambda sd: sd.pop(f"{Q}.kbit_format"), rf"lacks {Q}.kbit_format"),
+        (lambda sd: sd.update({f"{Q}.weight": sd[f"{Q}.weight"][:-3].clone()}), r"weight|size"),
+        (_uniform_3bit_codebook_too_short, r"codebook|size"),
+        (
+            lambda sd: sd.update({f"{Q}.kbit_format": torch.tensor([1, 7, *sd[f"{Q}.kbit_format"][2:].tolist()])}),
+            rf"{Q}.kbit_format: k=7 is not supported",
+        ),
+        (
+            lambda sd: sd.update({f"{Q}.codebook": sd[f"{Q}.codebook"].flip(0).contiguous()}),
+            rf"{Q}.codebook is not in ascending order",
+        ),
+    ],
+    ids=["no-absmax", "no-codebook", "no-format", "truncated-weight", "short-codebook", "k7", "unsorted-codebook"],
+)
+def test_corrupted_kbit_checkpoint_is_refused_by_from_pretrained(edit, message, kbit_checkpoint, tmp_path):
+    """transformers loads a k-bit checkpoint's tensors itself (not through LinearKbit.load_state_dict) and only logs a
+    missing one as newly initialized: the quantizer refuses every such checkpoint, naming the tensor. (A truncated
+    weight or a shorter codebook may be refused by transformers' own size check first.)"""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path, name, tensors, _ = kbit_checkpoint
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    sd = dict(tensors)
+    edit(sd)
+    save_file(sd, tmp_path / name, metadata={"format": "pt"})
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map={"": "cpu"})
+
+
+def test_intact_kbit_checkpoint_loads_bit_identical(kbit_checkpoint):
+    path, _, _, logits = kbit_checkpoint
+    again = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map={"": "cpu"})
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, logits)
 
 
 def _tiny_gpt2(seed=0):

@@ -145,6 +145,11 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
             raise ValueError(f"BitsAndBytesKbitConfig: quant_method={quant_method!r}; expected {QUANT_METHOD!r}")
         if not load_in_kbit:
             raise ValueError("BitsAndBytesKbitConfig: load_in_kbit=False; this config only describes k-bit weights")
+        if isinstance(bnb_kbit_bits, bool) or not hasattr(type(bnb_kbit_bits), "__index__"):
+            raise TypeError(
+                f"BitsAndBytesKbitConfig: bnb_kbit_bits={bnb_kbit_bits!r} is a {type(bnb_kbit_bits).__name__}; "
+                f"expected an int, one of {SUPPORTED_K}"
+            )
         if bnb_kbit_bits not in SUPPORTED_K:
             raise ValueError(
                 f"BitsAndBytesKbitConfig: bnb_kbit_bits={bnb_kbit_bits!r} is not supported; expected one of {SUPPORTED_K}"
@@ -489,9 +494,37 @@ class BitsAndBytesKbitHfQuantizer(HfQuantizer):
                 new.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
             model.set_submodule(name, new)
 
+    def _check_prequantized(self, model) -> None:
+        """A k-bit checkpoint's layers, as transformers loaded them (it sets tensors directly, not through
+        ``LinearKbit.load_state_dict``): refused with every problem named if a layer lacks some of its k-bit tensors
+        (transformers would leave them uninitialized and only log them as missing) or holds ones that do not fit it
+        (``LinearKbit``'s own load checks: format, k, sizes, dtypes, codebook)."""
+        problems = []
+        for name, module in model.named_modules():
+            if not isinstance(module, LinearKbit) or module.weight.device.type == "meta":
+                continue
+            tensors = {n: getattr(module, n) for n in ("weight", "kbit_format", "absmax", "codebook")}
+            # transformers marks each tensor it loads from the checkpoint; where some of a layer's tensors carry the
+            # mark and others not, the others were missing (a layer with none marked was not loaded by this path)
+            loaded = {n for n, t in tensors.items() if getattr(t, "_is_hf_initialized", False)}
+            if loaded and len(loaded) < len(tensors):
+                missing = ", ".join(f"{name}.{n}" for n in tensors if n not in loaded)
+                problems.append(f"the checkpoint lacks {missing}")
+            elif not module.weight.is_floating_point():
+                error = module._kbit_state_error({f"{name}.{n}": t for n, t in tensors.items()}, name + ".")
+                if error is not None:
+                    problems.append(error)
+        if problems:
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise ValueError(
+                f"bitsandbytes_kbit: the k-bit checkpoint does not fit the model: {'; '.join(problems[:8])}{more}"
+            )
+
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self._calibrating:
             self._calibrate_and_convert(model)
+        if self.pre_quantized:
+            self._check_prequantized(model)
         for module in model.modules():
             if isinstance(module, LinearKbit) and module.weight.device.type != "meta":
                 # quantize_() covers a weight the checkpoint lacked (initialized in float by transformers);

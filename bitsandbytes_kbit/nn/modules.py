@@ -513,8 +513,12 @@ class LinearKbit(nn.Linear):
                 f"{prefix}codebook is {codebook.dtype} {tuple(codebook.shape)}; expected float32 with 1..{2**k} "
                 f"entries for k={k}"
             )
-        if codebook.device.type != "meta" and not bool(torch.isfinite(codebook).all()):
-            return f"{prefix}codebook contains NaN or Inf; expected finite values"
+        if codebook.device.type != "meta":
+            if not bool(torch.isfinite(codebook).all()):
+                return f"{prefix}codebook contains NaN or Inf; expected finite values"
+            if codebook.numel() > 1 and not bool((codebook[1:] >= codebook[:-1]).all()):
+                # the stored indices refer to sorted levels (quantize_kbit sorts; dequantize sorts what it is given)
+                return f"{prefix}codebook is not in ascending order; expected the sorted levels quantize_kbit writes"
         if codebook.numel() < 2**k and weight.device.type != "meta":
             top = kbit_F.max_stored_index(weight, k)
             if top >= codebook.numel():
@@ -528,6 +532,15 @@ class LinearKbit(nn.Linear):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
         weight = state_dict.get(prefix + "weight")
+        # Shapes torch would refuse only after copying the other tensors: refused first, so nothing changes.
+        bias = state_dict.get(prefix + "bias")
+        if isinstance(bias, torch.Tensor) and self.bias is not None and bias.shape != self.bias.shape:
+            error_msgs.append(f"{prefix}bias has shape {tuple(bias.shape)}; expected ({self.out_features},)")
+            return
+        logical = (self.out_features, self.in_features)
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point() and tuple(weight.shape) != logical:
+            error_msgs.append(f"{prefix}weight is a float tensor of shape {tuple(weight.shape)}; expected {logical}")
+            return
         if weight is not None and not weight.is_floating_point():
             # A k-bit state. Validate all of it first: nothing in the module changes if it is refused.
             error = self._kbit_state_error(state_dict, prefix)
