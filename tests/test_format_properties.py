@@ -143,12 +143,24 @@ def test_repack_and_gemm_match_the_numpy_model(k, N, k_blocks, M, seed):
     assert np.all(np.abs(C - ref) <= bound)
 
 
-def test_non_finite_input_is_refused():
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        x = torch.zeros(64)
-        x[5] = bad
-        with pytest.raises(ValueError, match="NaN or Inf"):
-            F.quantize_kbit(x, k=4)
+@settings(max_examples=60, deadline=None)
+@given(
+    cases(),
+    st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["absmax", "mse"]),
+)
+def test_non_finite_input_is_refused(case, bad, seed, method):
+    """NaN or Inf anywhere in any tensor is refused, by either scale rule and by the op itself, as the format has no
+    code for it."""
+    k, codebook, x, absmax = case
+    x = x.copy()
+    x[np.random.default_rng(seed).integers(0, x.size)] = bad
+    A, cb = torch.from_numpy(x), torch.from_numpy(codebook)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        F.quantize_kbit(A, k=k, codebook=cb, absmax_format=absmax, scale_method=method)
+    with pytest.raises((ValueError, RuntimeError), match="NaN or Inf|finite"):
+        torch.ops.bitsandbytes.quantize_kbit(A, cb, k, F.ABSMAX_FORMATS[absmax])
 
 
 def unpack_np(packed: np.ndarray, k: int) -> np.ndarray:
