@@ -159,7 +159,7 @@ def test_non_finite_input_is_refused(case, bad, seed, method):
     A, cb = torch.from_numpy(x), torch.from_numpy(codebook)
     with pytest.raises(ValueError, match="NaN or Inf"):
         F.quantize_kbit(A, k=k, codebook=cb, absmax_format=absmax, scale_method=method)
-    with pytest.raises((ValueError, RuntimeError), match="NaN or Inf|finite"):
+    with pytest.raises((ValueError, RuntimeError), match=r"NaN or Inf|finite"):
         torch.ops.bitsandbytes.quantize_kbit(A, cb, k, F.ABSMAX_FORMATS[absmax])
 
 
