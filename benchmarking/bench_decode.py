@@ -23,7 +23,8 @@ each step after a device sync, time = (last stamp - first) / N; (c) the replay l
      and captured in a torch.cuda.CUDAGraph, replayed per token: the recipe of docs/usage.md. Its first greedy
      tokens are compared with those of (a). On the CPU the compiled step runs without a graph (said in the output).
 For (b) and (c) the bench counts, from torch's own counters and logs, the graph breaks, the graphs compiled and the
-"skipping cudagraphs" lines (a second table and the JSON); each of these cells starts from torch._dynamo.reset().
+"skipping cudagraphs" lines (a second table and the JSON; the logs are on while a cell compiles and off while it is
+timed); each of these cells starts from torch._dynamo.reset().
 tokens/s is per sequence (a batch of 16 makes 16 times as many tokens); the ratio is against bf16 on the same
 mode and batch.
 """
