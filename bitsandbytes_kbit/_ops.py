@@ -42,6 +42,13 @@ def check_k(op: str, k: int) -> None:
         raise RuntimeError(f"{op}: k={k} is not supported; expected one of {SUPPORTED_K}")
 
 
+def check_weight_args(op: str, k: int, N: int, K: int) -> None:
+    """k, N and K of a weight W[N, K] as Python ints (k one of SUPPORTED_K, N and K >= 1)."""
+    check_k(op, k)
+    check_int(op, "N", N, 1)
+    check_int(op, "K", K, 1)
+
+
 def check_codebook(op: str, codebook: torch.Tensor, k: int) -> None:
     if codebook.dtype != torch.float32:
         raise RuntimeError(f"{op}: codebook has dtype {codebook.dtype}; expected torch.float32")

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from . import _ops
-from ._ops import GEMM_DTYPES, check_gemm_args, check_int, check_k, check_out, check_quantize_args
+from ._ops import GEMM_DTYPES, check_gemm_args, check_int, check_k, check_out, check_quantize_args, check_weight_args
 from .backends.default.ops import check_finite as _check_finite
 from .backends.default.ops import check_indices_in_codebook, e4m4_table
 from .backends.default.ops import decode_absmax_e4m4 as _decode_e4m4
@@ -430,9 +430,7 @@ def repack_kbit(
     format, E4M4 or float16 absmax) into the tiled layout ``kbit_gemm`` reads. Run once at load;
     the result is 2-D ([units, words] int32 and [units, 64] absmax), its layout the kernel's own.
     K must be a multiple of 32; N and K are padded inside as the kernel needs."""
-    check_k("repack_kbit", k)
-    check_int("repack_kbit", "N", N, 1)
-    check_int("repack_kbit", "K", K, 1)
+    check_weight_args("repack_kbit", k, N, K)
     return torch.ops.bitsandbytes.repack_kbit(packed, absmax, k, N, K)
 
 
@@ -441,9 +439,7 @@ def unrepack_kbit(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``repack_kbit``: the flat words (int32, 1-D) and absmax (1-D, the dtype of ``B_absmax``) of a
     tiled weight W[N, K], bit-exact. Pure PyTorch on the tensors' device; used to save a repacked weight flat."""
-    check_k("unrepack_kbit", k)
-    check_int("unrepack_kbit", "N", N, 1)
-    check_int("unrepack_kbit", "K", K, 1)
+    check_weight_args("unrepack_kbit", k, N, K)
     _ops.check_weight_shape("unrepack_kbit", k, N, K)
     words, n_absmax = _ops.tiled_sizes(k, N, K)
     if B_packed.numel() != words or B_absmax.numel() != n_absmax:
@@ -478,9 +474,7 @@ def kbit_gemm(
         raise TypeError(
             f"kbit_gemm: codebook is {type(codebook).__name__}; expected the float32 tensor quantize_kbit returned"
         )
-    check_k("kbit_gemm", k)
-    check_int("kbit_gemm", "N", N, 1)
-    check_int("kbit_gemm", "K", K, 1)
+    check_weight_args("kbit_gemm", k, N, K)
     if codebook.dim() == 1 and 1 <= codebook.numel() < 2**k:
         codebook = nan_padded_codebook(codebook, k)
     launch = _eager_launcher(A, bias)

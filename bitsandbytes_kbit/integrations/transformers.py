@@ -30,7 +30,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .. import functional as kbit_F
-from .._ops import SUPPORTED_K
+from .._ops import SUPPORTED_K, check_int
 from ..nn.modules import LinearKbit, ParamsKbit, num_parameters
 
 logger = logging.getLogger(__name__)
@@ -145,11 +145,7 @@ class BitsAndBytesKbitConfig(QuantizationConfigMixin):
             raise ValueError(f"BitsAndBytesKbitConfig: quant_method={quant_method!r}; expected {QUANT_METHOD!r}")
         if not load_in_kbit:
             raise ValueError("BitsAndBytesKbitConfig: load_in_kbit=False; this config only describes k-bit weights")
-        if isinstance(bnb_kbit_bits, bool) or not hasattr(type(bnb_kbit_bits), "__index__"):
-            raise TypeError(
-                f"BitsAndBytesKbitConfig: bnb_kbit_bits={bnb_kbit_bits!r} is a {type(bnb_kbit_bits).__name__}; "
-                f"expected an int, one of {SUPPORTED_K}"
-            )
+        check_int("BitsAndBytesKbitConfig", "bnb_kbit_bits", bnb_kbit_bits)
         if bnb_kbit_bits not in SUPPORTED_K:
             raise ValueError(
                 f"BitsAndBytesKbitConfig: bnb_kbit_bits={bnb_kbit_bits!r} is not supported; expected one of {SUPPORTED_K}"
