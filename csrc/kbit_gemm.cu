@@ -205,34 +205,75 @@ static int choose_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_co
 
 // Tiles of a launch of the warp-specialised configs (128 rows x tok tokens: 256 for config 7, 128 for 14)
 static long long ws_tiles(int M, int N, int tok) { return (long long)ceil_div(N, 128) * ceil_div(M, tok); }
-// Configs 7 and 14 split along k where their tiles leave SMs idle: as many splits as fit one CTA per SM, each of at
-// least WS_MIN_SPLIT_STEPS k-steps (the LUT build and ring fill are paid per CTA), no empty split; partial tiles (tok x
-// 128 fp32 each) through the workspace slots of kbit_gemm.cuh section 5. Hence at least 24 k-steps.
-constexpr int WS_MIN_SPLIT_STEPS = 24;
 static size_t ws_tile_bytes(int tok) { return (size_t)tok * 128 * 4; } // one fp32 partial tile
+// A k split of configs 7 / 14 runs at least WS_MIN_SPLIT_STEPS k-steps: it fills the 4-stage rings once.
+constexpr int WS_MIN_SPLIT_STEPS = 4;
 // Without k splits, a partial last wave of configs 7 / 14 that would leave more than half the SMs idle runs its tiles as
-// two CTAs of half the k-steps each (kbit_gemm_wgmma_ws.cuh section 6): the tiles of the last
-// wave of `tiles`, each half at least 8 k-steps.
+// two CTAs of half the k-steps each (kbit_gemm_wgmma_ws.cuh section 6): the tiles of the last wave of `tiles`, each
+// half at least WS_MIN_HALF_STEPS k-steps.
+constexpr int WS_MIN_HALF_STEPS = 8;
 static int ws_tail_tiles(long long tiles, int k_steps, int sm_count) {
     const long long sms = sm_count > 0 ? sm_count : 1;
     const long long tail = tiles % sms;
-    return tiles > sms && tail > 0 && 2 * tail <= sms && k_steps >= 2 * WS_MIN_SPLIT_STEPS / 3 ? (int)tail : 0;
+    return tiles > sms && tail > 0 && 2 * tail <= sms && k_steps >= 2 * WS_MIN_HALF_STEPS ? (int)tail : 0;
 }
 static size_t ws_partial_bytes(int M, int N, int K_dim, int k_splits, int sm_count, int tok) {
     if (k_splits > 1) return (size_t)k_splits * ws_tiles(M, N, tok) * ws_tile_bytes(tok);
     return (size_t)ws_tail_tiles(ws_tiles(M, N, tok), ceil_div(K_dim, UNIT_K), sm_count) * 2 * ws_tile_bytes(tok);
 }
+
+// Splits along k for the tensor-core configs (6, 7, 14: one CTA per SM, tiles of thousands of MMAs per k-step), chosen
+// by the busiest SM's time in k-steps:
+//     waves(tiles x s) x (ceil(k_steps / s) + WAVE_CTA_STEPS) + (s > 1 ? s x WAVE_REDUCE_STEPS : 0)
+// over s = 1 .. 16 with at least min_steps k-steps per split (a plan of more splits must cost 5% less). Whole waves count whole, so a second wave of more, shorter
+// splits can win over one wave of few (4672 x 4544 at 256 tokens, config 14: 74 tiles on 132 SMs run 3 splits in 2
+// waves of 12 k-steps instead of one wave of 36). WAVE_CTA_STEPS is a CTA's fixed cost (LUT build, ring fill,
+// epilogue), WAVE_REDUCE_STEPS the last CTA's read of one split's fp32 partial tile (64-128 KB at one SM's share of L2
+// bandwidth), both in k-steps of these tiles. The cost model (cost_features) then weighs the plans of every config.
+constexpr double WAVE_CTA_STEPS = 3.0, WAVE_REDUCE_STEPS = 0.75, WAVE_GAIN = 0.95;
+static double wave_cost(long long ctas, long long slots, int steps, int splits) {
+    return (double)((ctas + slots - 1) / slots) * (steps + WAVE_CTA_STEPS) + (splits > 1 ? splits * WAVE_REDUCE_STEPS : 0.0);
+}
+template <class Fits>
+static int wave_splits(long long tiles, int k_steps, long long slots, int min_steps, Fits&& fits, double cost_1) {
+    int best = 1;
+    double best_cost = cost_1;
+    for (int s = 2; s <= MAX_SPLITS && tiles * s <= MAX_SPLIT_CTAS; s++) {
+        const int steps = ceil_div(k_steps, s);
+        if (steps < min_steps) break;
+        if (ceil_div(k_steps, steps) < s) continue; // s splits of `steps` would leave one empty: s - 1 covers it
+        if (!fits(s)) break;
+        const double c = wave_cost(tiles * s, slots, steps, s);
+        if (c < WAVE_GAIN * best_cost) best_cost = c, best = s; // more splits must win clearly: their traffic is real
+
+    }
+    return best;
+}
 static int ws_splits(int M, int N, int K_dim, int sm_count, int tok) {
     const long long tiles = ws_tiles(M, N, tok);
     const int k_steps = ceil_div(K_dim, UNIT_K);
     const long long sms = sm_count > 0 ? sm_count : 1;
-    if (tiles >= sms || tiles > MAX_SPLIT_CTAS) return 1;
-    long long splits = sms / tiles;
-    if (splits > k_steps / WS_MIN_SPLIT_STEPS) splits = k_steps / WS_MIN_SPLIT_STEPS;
-    if (splits > MAX_SPLITS) splits = MAX_SPLITS;
-    while (splits > 1 && ws_partial_bytes(M, N, K_dim, (int)splits, sm_count, tok) > MAX_WORKSPACE_BYTES) splits--;
-    if (splits <= 1) return 1;
-    return ceil_div(k_steps, ceil_div(k_steps, splits)); // the last split is never empty
+    // one split: whole waves, and a partial last wave either whole or as two halves (ws_tail_tiles)
+    const int tail = ws_tail_tiles(tiles, k_steps, sm_count);
+    const double cost_1 = tail > 0 ? wave_cost(tiles - tail, sms, k_steps, 1) +
+                                         (ceil_div(k_steps, 2) + WAVE_CTA_STEPS + 2 * WAVE_REDUCE_STEPS)
+                                   : wave_cost(tiles, sms, k_steps, 1);
+    const auto fits = [&](int s) { return ws_partial_bytes(M, N, K_dim, s, sm_count, tok) <= MAX_WORKSPACE_BYTES; };
+    return wave_splits(tiles, k_steps, sms, WS_MIN_SPLIT_STEPS, fits, cost_1);
+}
+// config 6 (256 x 64 tiles, one CTA per SM): the same rule, its partial tiles through the workspace or a cluster
+static int wgmma_splits(const ConfigInfo& c, int M, int N, int K_dim, int sm_count) {
+    const long long tiles = (long long)ceil_div(ceil_div(N, UNIT_ROWS), c.mt * c.warps_n) * ceil_div(M, c.tile_m());
+    const int k_steps = ceil_div(K_dim, UNIT_K);
+    const long long slots = (long long)c.ctas_per_sm() * (sm_count > 0 ? sm_count : 1);
+    const auto fits = [&](int s) { return workspace_bytes_for(c, M, N, s) <= MAX_WORKSPACE_BYTES + COUNTER_REGION_BYTES; };
+    return wave_splits(tiles, k_steps, slots, MIN_STEPS_PER_WARP, fits, wave_cost(tiles, slots, k_steps, 1));
+}
+// the k splits of `config` for this problem: the one place every caller asks
+static int plan_splits(int config, int M, int N, int K_dim, int sm_count) {
+    if (is_ws(config)) return ws_splits(M, N, K_dim, sm_count, ws_tok(config));
+    if (config == FIRST_WGMMA_CONFIG) return wgmma_splits(config_info(config), M, N, K_dim, sm_count);
+    return choose_splits(config_info(config), M, N, K_dim, sm_count);
 }
 // counters and the partial tiles (k splits, or the halves of a split last wave); 0 when none is needed
 static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_count, int tok) {
@@ -253,8 +294,7 @@ static int cost_features(int config, int M, int N, int K_dim, int k_bits, int sm
         return COST_FEATURES;
     }
     const ConfigInfo c = config_info(config);
-    const int splits =
-        is_ws(config) ? ws_splits(M, N, K_dim, sm_count, ws_tok(config)) : choose_splits(c, M, N, K_dim, sm_count);
+    const int splits = plan_splits(config, M, N, K_dim, sm_count);
     const long long k_steps = ceil_div(K_dim, UNIT_K);
     const long long m_tiles = ceil_div(M, c.tile_m());
     const long long ctas = (long long)ceil_div(N, c.tile_n()) * m_tiles * splits;
@@ -301,9 +341,7 @@ static Dispatch select_config(int M, int N, int K_dim, int k_bits, int sm_count)
         if (t < best_us) best_us = t, best = c;
     }
     if (best < 0) best = FIRST_SHARED_A_CONFIG + 1; // no calibrated config runs here (M > SPLIT_K_MAX_M without sm_90a)
-    const int splits = is_ws(best) ? ws_splits(M, N, K_dim, sm_count, ws_tok(best))
-                                   : choose_splits(config_info(best), M, N, K_dim, sm_count);
-    return Dispatch{best, splits};
+    return Dispatch{best, plan_splits(best, M, N, K_dim, sm_count)};
 }
 
 // The staged path where its predicted time is below every fused config's
@@ -590,7 +628,7 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
     const int n_tiles = ceil_div(p.n16_tiles, Cfg::CONSUMER_WARPS), tiles = n_tiles * ceil_div(p.M, Cfg::TOK);
     const int tail = k_splits > 1 ? 0 : ws_tail_tiles(tiles, p.k_steps, sm_count);
     p.ws_tail_from = tiles - tail;
-    p.ws_multicast = k_splits == 1 && tail % 2 == 0 && n_tiles % 2 == 0 &&
+    p.ws_multicast = tail % 2 == 0 && n_tiles % 2 == 0 && // with k splits too: a cluster's CTAs share the split
                      ws_multicast_fits(kbit_gemm_wgmma_ws_kernel<Cfg, T>, Cfg::WS_THREADS, Cfg::SMEM_BYTES);
     CUtensorMap map;
     if (!make_token_map(&map, p.A, p.M, p.K_dim, p.lda, p.ws_multicast ? Cfg::TOK / 2 : Cfg::TOK)) {
@@ -633,8 +671,7 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
             return;
         }
         d.config = config_override;
-        d.k_splits = is_ws(d.config) ? ws_splits(M, N, K_dim, sm_count, ws_tok(d.config))
-                                     : choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+        d.k_splits = plan_splits(d.config, M, N, K_dim, sm_count);
     }
     if (is_ws(d.config)) { // fewer splits, finally none, then config 6 when the caller's workspace is smaller
         const int tok = ws_tok(d.config);
@@ -647,13 +684,13 @@ static void gemm(const void* A, const int* B_packed, const void* B_absmax, const
         const bool no_room = need > 0 && (workspace == nullptr || workspace_bytes < need);
         if (no_room || !a_tma_ok) {
             d.config = FIRST_WGMMA_CONFIG;
-            d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+            d.k_splits = plan_splits(d.config, M, N, K_dim, sm_count);
         }
     }
     if (d.config == FIRST_WGMMA_CONFIG && ((long long)M + 64) * lda * 2 >= (1ll << 32)) { // 32-bit token offsets (after
         // configs 7 / 14's fallback to config 6 above)
         d.config = FIRST_SHARED_A_CONFIG + 2; // 256 x 32 tiles, 64-bit offsets
-        d.k_splits = choose_splits(config_info(d.config), M, N, K_dim, sm_count);
+        d.k_splits = plan_splits(d.config, M, N, K_dim, sm_count);
     }
     const ConfigInfo ci = config_info(d.config);
     // fall back to fewer splits (finally none) when the caller's workspace is too small
@@ -708,7 +745,8 @@ static size_t workspace_bytes(int M, int N, int K_dim, int k_bits, int sm_count)
     size_t worst = 0;
     // the dispatcher's choice, and every override (so a test forcing a config gets its splits too)
     for (int c = 0; c < NUM_CONFIGS; c++) {
-        const size_t b = workspace_bytes_for(config_info(c), M, N, choose_splits(config_info(c), M, N, K_dim, sm_count));
+        if (is_ws(c)) continue; // below
+        const size_t b = workspace_bytes_for(config_info(c), M, N, plan_splits(c, M, N, K_dim, sm_count));
         if (b > worst) worst = b;
     }
     // configs 7 and 14's partial tiles (the same for every k: a cached workspace then never grows between calls of

@@ -33,7 +33,7 @@
 //    block b is scaled (a software pipeline of one block, FRAG_SLOTS = 4 fragment slots).
 //
 // 5. Grid: one CTA per SM, tile = blockIdx.x with the m tile fastest (the m tiles of one weight tile run together
-//    and share it through L2), blockIdx.y = k split (the split-K of the other configs, M <= 256).
+//    and share it through L2), blockIdx.y = k split (wgmma_splits in kbit_gemm.cu: waves of split tiles, any M).
 //
 // 6. Built only for sm_90a (wgmma); the dispatcher offers config 6 only when the library holds sm_90a code
 //    (KBIT_WGMMA_BUILT) and the device is compute capability 9.0. Elsewhere the kernel body traps.

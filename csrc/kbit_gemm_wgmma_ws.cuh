@@ -18,10 +18,11 @@
 //    The tiled weight holds each lane's pairs at the k its fragment slots stand for, so the TMA reads A as it is.
 //
 // 2. Tiles: CTA = 128 weight rows (8 units, one per consumer warp) x TOK tokens; each weight is dequantized once per
-//    TOK tokens (TOK = 128 halves the padded MMA work where M <= 128). Grid: (tiles, k splits), m tile fastest (the m tiles of one weight tile share it through L2). Where
-//    the tiles alone leave SMs idle the host splits the k-steps (ws_splits: whole SMs, >= WS_MIN_SPLIT_STEPS per
-//    split), summed through the workspace slots of kbit_gemm.cuh section 5 with a barrier among the 256 consumer
-//    threads in place of __syncthreads (the producer warps have returned).
+//    TOK tokens (TOK = 128 halves the padded MMA work where M <= 128). Grid: (tiles, k splits), m tile fastest (the m
+//    tiles of one weight tile share it through L2). Where the tiles leave SMs idle the host splits the k-steps
+//    (ws_splits in kbit_gemm.cu: the split count whose waves finish first, >= WS_MIN_SPLIT_STEPS k-steps each),
+//    summed through the workspace slots of kbit_gemm.cuh section 5 with a barrier among the 256 consumer threads in
+//    place of __syncthreads (the producer warps have returned).
 //
 // 3. Shared memory (one CTA per SM): the LUT (32 KB), TOK_STAGES token half-steps (k 64 wide, 32 KB each,
 //    1024-aligned; after the main loop they hold the output tile, section 7), W_STAGES weight k-steps (8 units'
@@ -54,8 +55,8 @@
 //          fragments (8 warps x 16 rows x TOK tokens) --stmatrix.x4.trans--> smem [TOK tokens][128 rows]
 //          --LDS.128 / STG.128, 2 token rows per warp instruction--> C rows m_base + 0..TOK-1, columns n_cta + 0..127
 //
-// 8. Token multicast (p.ws_multicast). Where a launch has no k splits and an even number of weight tiles and of
-//    tail tiles, the CTAs of weight tiles 2c and 2c + 1 of one m tile run as a cluster of 2 and share the token
+// 8. Token multicast (p.ws_multicast). Where a launch has an even number of weight tiles and of tail tiles, the CTAs
+//    of weight tiles 2c and 2c + 1 of one m tile and one k split run as a cluster of 2 and share the token
 //    tile: each producer loads its TOK / 2 rows of every box with .multicast::cluster into the same slot of both
 //    CTAs, and each consumer warp releases a token slot in both (t_empty counts 16 arrives):
 //          cluster c:  CTA rank 0 = weight tile 2 (c / m_tiles),     m tile c % m_tiles, token rows 0 .. TOK/2-1 -> both
