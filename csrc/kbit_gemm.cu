@@ -411,7 +411,7 @@ static bool prepare_launch(Kernel kernel, int smem_bytes, bool (&attr_set)[64], 
     return true;
 }
 
-// Programmatic dependent launch (PDL, sm_90): the per-warp and shared-A kernels (configs 0, 2-4, 8-13) are launched
+// Programmatic dependent launch (PDL, sm_90): every fused kernel (the wgmma configs 6, 7, 14 too) is launched
 // with programmatic stream serialization. A kernel allows its dependents once its own loads are issued (after its
 // k-loop; the register-weight loop at its last k-step), so the next call's CTAs take the SM slots this call's CTAs
 // leave during its split-K arrivals, last reductions and grid completion, and start their prologue there;
@@ -445,6 +445,13 @@ static void launch_dependent(void (*kernel)(Args...), dim3 grid, int threads, in
     cfg.attrs = attr;
     cfg.numAttrs = pdl_enabled() ? 1 : 0;
     cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+// a clustered launch's config (attr[0]: its cluster dimension) with programmatic stream serialization in attr[1]
+static void add_pdl_attribute(cudaLaunchConfig_t& cfg, cudaLaunchAttribute (&attr)[2]) {
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl_enabled() ? 2 : 1;
 }
 
 template <class Cfg, typename T>
@@ -524,10 +531,7 @@ template <class Cfg, typename T> static void launch_shared_a(KbitGemmParams& p, 
     if (p.cluster_reduce) {
         cudaLaunchAttribute attr[2];
         cudaLaunchConfig_t cfg = split_cluster_launch(grid, 2, Cfg::THREADS, Cfg::PUSH_SMEM_BYTES, stream, attr[0]);
-        attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[1].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = pdl_enabled() ? 2 : 1;
+        add_pdl_attribute(cfg, attr);
         cudaLaunchKernelEx(&cfg, kbit_gemm_shared_a_kernel<Cfg, T>, p);
     } else {
         launch_dependent(kbit_gemm_shared_a_kernel<Cfg, T>, grid, Cfg::THREADS, Cfg::SHARED_A_SMEM_BYTES, stream, p);
@@ -577,11 +581,12 @@ template <class Cfg, typename T> static void launch_wgmma(KbitGemmParams& p, int
         }
     const dim3 grid(tiles, k_splits);
     if (p.cluster_reduce) {
-        cudaLaunchAttribute attr;
-        const cudaLaunchConfig_t cfg = split_cluster_launch(grid, k_splits, Cfg::THREADS, Cfg::SMEM_BYTES, stream, attr);
+        cudaLaunchAttribute attr[2];
+        cudaLaunchConfig_t cfg = split_cluster_launch(grid, k_splits, Cfg::THREADS, Cfg::SMEM_BYTES, stream, attr[0]);
+        add_pdl_attribute(cfg, attr);
         cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_kernel<Cfg, T>, p);
     } else {
-        kbit_gemm_wgmma_kernel<Cfg, T><<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
+        launch_dependent(kbit_gemm_wgmma_kernel<Cfg, T>, grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream, p);
     }
     check_launch("ckbit_gemm wgmma");
 }
@@ -637,12 +642,13 @@ static void launch_wgmma_ws(KbitGemmParams& p, int k_splits, void* workspace, si
     }
     const dim3 grid(tiles + tail, k_splits);
     if (p.ws_multicast) {
-        cudaLaunchAttribute attr;
-        cudaLaunchConfig_t cfg = split_cluster_launch(grid, 1, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream, attr);
-        attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1;
+        cudaLaunchAttribute attr[2];
+        cudaLaunchConfig_t cfg = split_cluster_launch(grid, 1, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream, attr[0]);
+        attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1;
+        add_pdl_attribute(cfg, attr);
         cudaLaunchKernelEx(&cfg, kbit_gemm_wgmma_ws_kernel<Cfg, T>, p, map);
     } else {
-        kbit_gemm_wgmma_ws_kernel<Cfg, T><<<grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream>>>(p, map);
+        launch_dependent(kbit_gemm_wgmma_ws_kernel<Cfg, T>, grid, Cfg::WS_THREADS, Cfg::SMEM_BYTES, stream, p, map);
     }
     check_launch("ckbit_gemm wgmma-ws");
 }

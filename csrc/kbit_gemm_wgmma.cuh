@@ -327,6 +327,7 @@ __device__ __forceinline__ void cluster_reduce_store(const float (&acc)[Cfg::MT]
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wgmma_kernel(const KbitGemmParams p) {
     extern __shared__ __align__(16) uint8_t s_raw[];
+    grid_dependency_wait(); // PDL (kbit_gemm.cu): every read and write of this grid comes after the previous kernel
     const float cb_entry = load_codebook_entry(p); // first: its latency overlaps the prologue
     __shared__ int s_flag;
     const uint32_t s_raw_addr = (uint32_t)__cvta_generic_to_shared(s_raw);
@@ -376,6 +377,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1) kbit_gemm_wgmma_kernel(const 
         compute_stage_wgmma<Cfg, T>(acc, frag, s_w_ring + (i % WS) * Cfg::W_STAGE_BYTES,
                                     s_tok_ring + (i % AS) * Cfg::A_STAGE_BYTES, s_lut, lane_off, lane);
     }
+    allow_dependent_launch(); // every copy of this CTA is issued: the next call's CTAs may take the free SMs
     wgmma_wait<0>();
     cp_async_wait<0>();
     if (p.k_splits > 1 && p.cluster_reduce) {

@@ -520,11 +520,15 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
     }
     if (clustered) cluster_barrier(); // both CTAs' barriers exist before either multicasts or arrives remotely
     else __syncthreads();
+    grid_dependency_wait(); // PDL (kbit_gemm.cu): every global read and write comes after the previous kernel
     sm.peer_t_empty = multicast ? map_to_rank(sm.t_empty(0), cluster_rank() ^ 1u) : 0u;
 
     if (warp >= Cfg::CONSUMER_WARPS) {
         KBIT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::PRODUCER_REGS));
-        if (warp == Cfg::CONSUMER_WARPS) ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
+        if (warp == Cfg::CONSUMER_WARPS) {
+            ws_produce_weights<Cfg>(p, sm, n16_cta, k_begin, n_steps, lane);
+            allow_dependent_launch(); // the weights are this CTA's last copies: the next call may take free SMs
+        }
         if (warp == Cfg::CONSUMER_WARPS + 1 && lane == 0)
             ws_produce_tokens<Cfg>(&tmap, sm, p.M, m_base, k_begin, n_steps, multicast, clustered);
         return;
@@ -547,6 +551,7 @@ __global__ void __launch_bounds__(Cfg::WS_THREADS, 1)
             ws_step<Cfg, T>(acc, frag, raw, r_w[1], r_abs[1], r_w[0], r_abs[0], sm, i + 1, n_steps, lane_off, warp, lane);
     }
     wgmma_wait<0>();
+    allow_dependent_launch(); // with the producers' (or their exit): every copy of this CTA is issued
     if (pair) { // the two k halves of the tile sum through each other's shared memory (section 6)
         if (split == 0) ws_pair_reduce_store<Cfg, T, 0>(acc, p, sm, n16_cta * UNIT_ROWS, m_base, warp, lane);
         else ws_pair_reduce_store<Cfg, T, 1>(acc, p, sm, n16_cta * UNIT_ROWS, m_base, warp, lane);
