@@ -10,6 +10,9 @@ and fits the coefficients:
 
     python calibrate_dispatch.py sweep --json new.json --configs 7,14 --min-m 24 --shapes-from old.json
     python calibrate_dispatch.py fit --json old.json --json new.json --merged merged.json --out ...
+    # the mma.sync configs above 256 tokens on small weights, to extend where the model trusts them:
+    python calibrate_dispatch.py sweep --json small.json --configs 2,3,4,8,9,10,11,12,13 --min-m 384 \
+        --max-m-small 2048 --max-weight-elems 16000000 --shapes-from old.json
 
 `sweep` times, for a spread of the model suite's (N, K) (benchmarking/model_shapes.py), each M of a grid and each k,
 every config this GPU runs (forced through the test hook), the staged path (M >= 64) and cuBLAS fp16, with CUDA
@@ -17,7 +20,9 @@ graphs and weight copies rotated past the L2 (timing.py). `fit` solves, per conf
 on relative error, reports how far its picks are from the fastest measured config with each shape held out of the
 fit (leave-one-shape-out: the regret on shapes the fit never saw), and writes the coefficient table. Configs that never
 beat every other candidate by 3% on the sweep are left without coefficients, so the dispatcher never picks them. Then
-rebuild the library. A k missing from the sweep takes the mean of its neighbours' coefficients. A partial sweep
+rebuild the library. The table also records, per path, the largest M it was measured at: the dispatcher trusts a path
+up to there (at any M where that is the sweep's largest). A k missing from the sweep takes the mean of its
+neighbours' coefficients. A partial sweep
 (--configs, --min-m, --shapes-from: re-measuring configs that changed, or a new one) is fitted together with the full
 one it refines: for each cell (N, K, k, M), a later --json's times replace or add to the earlier ones path by path.
 """
@@ -70,6 +75,8 @@ def sweep(args) -> None:
         configs = [c for c in configs if c in {int(x) for x in args.configs.split(",") if x}]
     print(f"configs {configs}; {len(shapes)} shapes x {len(ms)} M x k {ks}", flush=True)
     dtype, rows, t0 = torch.float16, [], time.time()
+    if args.max_weight_elems:
+        shapes = {label: s for label, s in shapes.items() if s[0] * s[1] <= args.max_weight_elems}
     for label, (N, K, _) in shapes.items():
         g = torch.Generator(device="cuda").manual_seed(0)
         W = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(dtype)
@@ -120,7 +127,7 @@ def sweep(args) -> None:
                     paths["staged"] = path(which="staged")
                 for c in configs:
                     if (c in PER_WARP_CONFIGS and M > PER_WARP_MAX_M) or (
-                        c not in LARGE_M_CONFIGS and M > SPLIT_K_MAX_M
+                        c not in LARGE_M_CONFIGS and M > args.max_m_small
                     ):
                         continue
                     paths[f"c{c}"] = path(config=c)
@@ -289,6 +296,15 @@ def fit(args) -> None:
     lines += ["};", "static const float STAGED_COEF[4][COST_FEATURES] = {"]
     lines.append("    " + ", ".join(row("staged", k) for k in range(2, 6)) + ",")
     lines.append("};")
+    # where the model is trusted: up to the largest M each path was measured at; a path measured up to the sweep's
+    # largest M is trusted at any M (COST_ANY_M)
+    top_m = max(r["M"] for r in rows)
+    max_m = {n: max(r["M"] for r in rows if n in r["us"]) for n in names}
+    lines += [
+        f"static const int COST_ANY_M = {top_m}; // the sweep's largest M",
+        f"static const int COST_MAX_M[{num_configs}] = {{{', '.join(str(max_m.get(f'c{c}', 0)) for c in range(num_configs))}}};",
+        f"static const int STAGED_MAX_M = {max_m.get('staged', 0)};",
+    ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}: rebuild the library to use it")
 
@@ -307,6 +323,13 @@ def main(argv=None):
     s.add_argument("--configs", default=None, help="only these fused configs (e.g. 7,14), without auto and staged")
     s.add_argument("--min-m", type=int, default=1, help="only M >= this")
     s.add_argument("--shapes-from", default=None, help="the (N, K) shapes of this earlier sweep JSON")
+    s.add_argument(
+        "--max-m-small",
+        type=int,
+        default=SPLIT_K_MAX_M,
+        help="the mma.sync configs (all but 0, 1, 6, 7, 14) up to this M",
+    )
+    s.add_argument("--max-weight-elems", type=int, default=0, help="only shapes with N * K at most this (0: all)")
     f = sub.add_parser("fit", help="fit the coefficients and write the table")
     f.add_argument("--json", action="append", required=True, help="sweep results (repeatable, one GPU)")
     f.add_argument("--out", required=True, help="the table to write, e.g. ../csrc/kbit_dispatch_coef.inc")

@@ -147,17 +147,15 @@ static bool config_available(int id) {
 // ---------------------------------------------------------------------------------------------
 // Dispatch: the ONE place that maps a problem to a kernel config and a split count.
 // ---------------------------------------------------------------------------------------------
-// A config's k splits follow from the hardware and the problem: as many as fill one wave of its CTA slots
-// (choose_splits; configs 7 and 14: ws_splits). Which config runs is a cost model. For every config this device runs, and for
+// A config's k splits follow from the hardware and the problem (plan_splits). Which config runs is a cost model. For every config this device runs, and for
 // the staged path (dequantize + cuBLAS, backends/cuda/ops.py), the predicted time is a linear function of a few
 // features of the problem under that config's tiling (cost_features: CTA waves, the busiest SM's warp k-steps,
 // weight bytes, split-K partial bytes, padded MMA work); the least predicted time wins. The coefficients, per config
 // and k, are fitted to measurements by the calibration script calibrate_dispatch.py (every config forced on model
 // shapes x M x k, non-negative least squares on relative error) and live in kbit_dispatch_coef.inc; a config without
-// coefficients is never picked. The sweep bounds where the model is trusted: the per-warp config 0 up to
-// COST_PER_WARP_MAX_M tokens, the other register/shared-A configs up to SPLIT_K_MAX_M, configs 6, 7 and staged at
-// any M.
-constexpr int SPLIT_K_MAX_M = 256;    // split-K up to 256 tokens (above, the shared-A configs are not candidates)
+// coefficients is never picked. The sweep bounds where the model is trusted: a path up to the largest M it was
+// measured at (COST_MAX_M in the table), at any M where that is the sweep's largest.
+constexpr int SPLIT_K_MAX_M = 256;    // the mma.sync configs split k up to 256 tokens
 constexpr int MIN_STEPS_PER_WARP = 1; // a warp streams at least 1 k-step of 128
 // The register-weight configs (2, 3; mb <= 2) fill a 2-3 k-step ring before their first MMA: give each CTA at least 4
 // k-steps.
@@ -282,7 +280,6 @@ static size_t ws_workspace_bytes(int M, int N, int K_dim, int k_splits, int sm_c
 }
 // Features of the problem under `config` (-1: the staged path), the cost model's inputs; returns how many it wrote.
 constexpr int COST_FEATURES = 6;
-constexpr int COST_PER_WARP_MAX_M = 64;
 static int cost_features(int config, int M, int N, int K_dim, int k_bits, int sm_count, float* out) {
     const double sms = sm_count > 0 ? sm_count : 1;
     if (config < 0) { // staged: dequantize the weight, one cuBLAS product
@@ -318,13 +315,13 @@ static bool cost_calibrated(const float (&coef)[COST_FEATURES]) {
         if (v != 0.f) return true;
     return false;
 }
-// predicted microseconds of `config` (-1: staged); infinity where the model has no coefficients or is not trusted
+// predicted microseconds of `config` (-1: staged); infinity where the model has no coefficients or is not trusted:
+// above the largest M the calibration measured the path at, unless that was the sweep's largest M
 static float predicted_us(int config, int M, int N, int K_dim, int k_bits, int sm_count) {
     const float(&coef)[COST_FEATURES] = config < 0 ? STAGED_COEF[k_bits - 2] : COST_COEF[config][k_bits - 2];
     if (!cost_calibrated(coef)) return INFINITY;
-    if (config >= 0 && config != FIRST_WGMMA_CONFIG && !is_ws(config) &&
-        M > (config_info(config).shared_a_ctas == 0 ? COST_PER_WARP_MAX_M : SPLIT_K_MAX_M))
-        return INFINITY;
+    const int max_m = config < 0 ? STAGED_MAX_M : COST_MAX_M[config];
+    if (max_m < COST_ANY_M && M > max_m) return INFINITY;
     float f[COST_FEATURES];
     cost_features(config, M, N, K_dim, k_bits, sm_count, f);
     float t = 0.f;
