@@ -1,3 +1,4 @@
+import threading
 import zlib
 
 import pytest
@@ -5,6 +6,25 @@ import torch
 
 import bitsandbytes_kbit
 from bitsandbytes_kbit import cextension
+
+
+def run_threads(fn, n: int) -> None:
+    """fn(0) .. fn(n - 1) on n threads at once; raises the first exception any of them raised."""
+    errors = []
+
+    def body(i):
+        try:
+            fn(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def cuda_ready() -> bool:

@@ -6,7 +6,7 @@ member's own GEMM; the tolerance covers a backend that blocks the wider product 
 
 import pytest
 import torch
-from conftest import seeded, tiny_llama
+from conftest import run_threads, seeded, tiny_llama
 from torch import nn
 
 from bitsandbytes_kbit.nn import LinearKbit, fuse_projections
@@ -124,27 +124,16 @@ def test_cuda_fused_model_matches_the_unfused_one(k):
 
 
 def test_threads_sharing_a_fused_model_get_their_own_results():
-    import threading
-
     model, ref = _kbit_llama(seed=8), _kbit_llama(seed=8)
     fuse_projections(model)
     inputs = [torch.randint(1, 128, (1, 3 + t), generator=seeded("fuse-threads", t)) for t in range(4)]
     expected = [_logits(ref, ids) for ids in inputs]
-    errors = []
 
     def run(t):
         for _ in range(10):
-            try:
-                _assert_close(_logits(model, inputs[t]), expected[t])
-            except AssertionError as err:
-                errors.append(err)
+            _assert_close(_logits(model, inputs[t]), expected[t])
 
-    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors[0]
+    run_threads(run, 4)
 
 
 class _Attention(nn.Module):

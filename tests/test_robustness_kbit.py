@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import seeded
+from conftest import run_threads, seeded
 from torch import nn
 
 import bitsandbytes_kbit.functional as F
@@ -148,22 +148,14 @@ def test_concurrent_first_forward(fused, monkeypatch):
             module.weight.copy_(lin.weight)
             module.bias.copy_(lin.bias)
         barrier = threading.Barrier(4)
-        outputs, errors = [None] * 4, []
+        outputs = [None] * 4
 
-        def run(i, module=module, barrier=barrier, delays=delays, outputs=outputs, errors=errors):
-            try:
-                barrier.wait()
-                time.sleep(delays[i])
-                outputs[i] = module(x)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+        def run(i, module=module, barrier=barrier, delays=delays, outputs=outputs):
+            barrier.wait()
+            time.sleep(delays[i])
+            outputs[i] = module(x)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        run_threads(run, 4)
         assert module._tiled == fused
         # quantized once, and repacked once on the fused path
         assert sorted(calls) == (["quantize_kbit", "repack_kbit"] if fused else ["quantize_kbit"]), calls
@@ -432,11 +424,7 @@ def test_concurrent_first_forward_cuda():
             outputs[i] = module(x)
             torch.cuda.synchronize()
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads(run, 4)
         assert module._tiled
         for y in outputs + [module(x)]:
             assert torch.equal(y, y_ref)
