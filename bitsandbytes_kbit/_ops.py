@@ -183,9 +183,8 @@ def tiled_shapes(k: int, N: int, K_dim: int) -> tuple[tuple[int, int], tuple[int
 
 
 def check_weight_shape(op: str, k: int, N: int, K_dim: int) -> None:
-    check_k(op, k)
-    if N < 1:
-        raise RuntimeError(f"{op}: N={N} must be >= 1")
+    """check_weight_args, and K_dim a whole number of quantization blocks."""
+    check_weight_args(op, k, N, K_dim)
     if K_dim < 32 or K_dim % 32:
         raise RuntimeError(
             f"{op}: K_dim={K_dim} is not a multiple of 32 (the quantization block); pad the weight's rows "

@@ -439,7 +439,6 @@ def unrepack_kbit(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``repack_kbit``: the flat words (int32, 1-D) and absmax (1-D, the dtype of ``B_absmax``) of a
     tiled weight W[N, K], bit-exact. Pure PyTorch on the tensors' device; used to save a repacked weight flat."""
-    check_weight_args("unrepack_kbit", k, N, K)
     _ops.check_weight_shape("unrepack_kbit", k, N, K)
     words, n_absmax = _ops.tiled_sizes(k, N, K)
     if B_packed.numel() != words or B_absmax.numel() != n_absmax:
@@ -474,12 +473,14 @@ def kbit_gemm(
         raise TypeError(
             f"kbit_gemm: codebook is {type(codebook).__name__}; expected the float32 tensor quantize_kbit returned"
         )
-    check_weight_args("kbit_gemm", k, N, K)
-    if codebook.dim() == 1 and 1 <= codebook.numel() < 2**k:
-        codebook = nan_padded_codebook(codebook, k)
     launch = _eager_launcher(A, bias)
     if launch is not None:
-        check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K, bias)
+        check_gemm_args(A, B_packed, B_absmax, codebook, k, N, K, bias)  # the op's checks, k, N and K's types first
+    else:
+        check_weight_args("kbit_gemm", k, N, K)  # before the dispatcher, whose schema error would not name them
+    if codebook.dim() == 1 and 1 <= codebook.numel() < 2**k:
+        codebook = nan_padded_codebook(codebook, k)
+    if launch is not None:
         if out is None:
             out = torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
         else:
